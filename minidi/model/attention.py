@@ -1,0 +1,118 @@
+"""Attention of one layer: window keys + compressed keys picked by the indexer (spec V4.1 §6-9, V4 §4-7).
+
+Every layer computes its own q, its own window KV row per token and its own output. Compressed layers add entries
+from a compressor: V4 layers own theirs; V4.1 layers share them across the group of a kv source (``SharedSlots``).
+Legend: T tokens, H heads, d head dim, N compressed entries, G output groups.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .compressor import CompressorV4, CompressorV41
+from .config import ModelConfig
+from .context import ForwardContext, SharedSlots
+from .indexer import IndexerV4, IndexerV41, candidate_mask, indexer_topk_naive
+from .layers import FP8Linear, RMSNorm, apply_rope, rms_norm, rope_cos_sin, rope_inv_freq, weight_param
+from .quant import fq4_e4m3, fq8
+from .sparse_attention import sparse_attention_naive
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
+        super().__init__()
+        self.cfg, self.layer_id = cfg, layer_id
+        self.ratio = cfg.ratio(layer_id)
+        h, d = cfg.n_heads, cfg.head_dim
+        self.attn_sink = weight_param(h, dtype=torch.float32)
+        self.wq_a = FP8Linear(cfg.dim, cfg.q_lora_rank, cfg)
+        self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.norm_eps)
+        self.wq_b = FP8Linear(cfg.q_lora_rank, h * d, cfg)
+        self.wkv = FP8Linear(cfg.dim, d, cfg)
+        self.kv_norm = RMSNorm(d, cfg.norm_eps)
+        # grouped output projection: wo_a is a bf16 einsum on the dequantised weight, no activation quant
+        self.wo_a = FP8Linear(h * d // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, cfg, quant_input=False)
+        self.wo_b = FP8Linear(cfg.o_groups * cfg.o_lora_rank, cfg.dim, cfg)
+        if cfg.is_kv_source(layer_id):
+            self.compressor = CompressorV41(cfg, self.ratio) if cfg.is_v41 else CompressorV4(cfg, self.ratio, d)
+        if cfg.is_v41 and cfg.is_index_source(layer_id):
+            self.indexer = IndexerV41(cfg, owns_keys=cfg.owns_index_keys(layer_id))
+        elif not cfg.is_v41 and cfg.is_index_source(layer_id):
+            self.indexer = IndexerV4(cfg)
+        self.register_buffer("inv_freq", rope_inv_freq(cfg, self.ratio > 0), persistent=False)
+
+    def reset_buffers(self) -> None:
+        self.inv_freq = rope_inv_freq(self.cfg, self.ratio > 0).to(self.attn_sink.device)
+
+    def _quant_kv(self, kv: torch.Tensor) -> torch.Tensor:
+        """Window / compressed KV fake-quant: V4.1 fq8 over all channels (blocks 32); V4 fq8 of the non-rope
+        channels (blocks 64), rope channels untouched."""
+        if not self.cfg.fake_quant:
+            return kv
+        if self.cfg.is_v41:
+            return fq8(kv, 32)
+        nope = self.cfg.nope_head_dim
+        return torch.cat([fq8(kv[..., :nope], 64), kv[..., nope:]], dim=-1)
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext, shared: SharedSlots) -> torch.Tensor:
+        """x [T, D] (attn-normed) -> [T, D]."""
+        cfg = self.cfg
+        t = x.shape[0]
+        cos, sin = rope_cos_sin(ctx.positions, self.inv_freq)
+        q_lat = self.q_norm(self.wq_a(x))  # [T, q_lora]; also the indexer's query latent
+        q = self.wq_b(q_lat).view(t, cfg.n_heads, cfg.head_dim)  # [T, H, d]
+        if not cfg.is_v41:
+            q = rms_norm(q, None, cfg.norm_eps)  # V4: per-head unweighted RMSNorm
+        q = apply_rope(q, cos, sin)
+        kv = self._quant_kv(apply_rope(self.kv_norm(self.wkv(x)), cos, sin))  # [T, d]: key = value, one head
+
+        comp_kv, comp_idx = None, None
+        if self.ratio > 0:
+            comp_kv, comp_idx = (self._compressed_v41 if cfg.is_v41 else self._compressed_v4)(
+                x, q_lat, cos, sin, ctx, shared
+            )
+        o = sparse_attention_naive(q, kv, ctx.window_idx, comp_kv, comp_idx, self.attn_sink, cfg.head_dim**-0.5)
+        o = apply_rope(o, cos, sin, inverse=True).view(t, cfg.o_groups, -1)  # [T, G, H*d/G]
+        wo_a = self.wo_a.dequant(o.dtype).view(cfg.o_groups, cfg.o_lora_rank, -1)  # [G, o_lora, H*d/G]
+        a = torch.einsum("tgi,goi->tgo", o, wo_a).flatten(1)  # [T, G*o_lora]
+        return self.wo_b(a)
+
+    def _compressed_entries(self, x: torch.Tensor, positions: torch.Tensor):
+        """Run this layer's compressor: -> (latent [N, dc], rotated + fake-quantised rows [N, dc], cos, sin)."""
+        latent, pos = self.compressor(x, positions)
+        ccos, csin = rope_cos_sin(pos, self.inv_freq)
+        rows = apply_rope(latent, ccos, csin)
+        if self.cfg.fake_quant:
+            rows = fq4_e4m3(rows, 16) if self.cfg.is_v41 else self._quant_kv(rows)
+        return latent, rows, ccos, csin
+
+    def _compressed_v41(self, x, q_lat, cos, sin, ctx: ForwardContext, shared: SharedSlots):
+        cfg, layer = self.cfg, self.layer_id
+        if cfg.is_kv_source(layer):
+            latent, rows, ccos, csin = self._compressed_entries(x, ctx.positions)
+            shared.comp_kv, shared.ratio = rows, self.ratio
+            if cfg.owns_index_keys(layer):
+                shared.index_k = self.indexer.keys(latent, ccos, csin)
+        if cfg.is_index_source(layer):
+            n_vis = (ctx.positions + 1) // shared.ratio
+            qi, wi = self.indexer.queries(x, q_lat, cos, sin)
+            allowed = shared.candidates if cfg.is_candidate_filtered(layer) else None
+            idx, scores = indexer_topk_naive(qi, shared.index_k, wi, n_vis, cfg.index_topk, allowed)
+            if layer == cfg.candidate_source_layer:
+                shared.candidates = candidate_mask(scores, n_vis, cfg.candidate_topk_blocks, cfg.candidate_block_size)
+            shared.topk = idx
+        return shared.comp_kv, shared.topk
+
+    def _compressed_v4(self, x, q_lat, cos, sin, ctx: ForwardContext, shared: SharedSlots):
+        cfg = self.cfg
+        _, rows, _, _ = self._compressed_entries(x, ctx.positions)
+        n_vis = (ctx.positions + 1) // self.ratio
+        if cfg.has_indexer(self.layer_id):
+            keys = self.indexer.keys(x, ctx.positions, self.inv_freq)
+            qi, wi = self.indexer.queries(x, q_lat, cos, sin)
+            idx, _ = indexer_topk_naive(qi, keys, wi, n_vis, cfg.index_topk)
+        else:  # heavily compressed: attend densely to every visible entry
+            j = torch.arange(rows.shape[0], device=x.device)
+            idx = torch.where(j.unsqueeze(0) < n_vis.unsqueeze(1), j.unsqueeze(0), -1)
+        return rows, idx

@@ -1,0 +1,113 @@
+"""Lightning indexer: score compressed entries per query, keep the top-k (spec V4.1 §8, V4 §6).
+
+Legend: T queries, N compressed entries, Hi index heads, di index head dim, B candidate block size.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .compressor import CompressorV4
+from .config import ModelConfig
+from .layers import FP8Linear, Linear, RMSNorm, apply_rope, rope_cos_sin
+from .quant import fq4_ue8m0, hadamard
+
+
+def indexer_topk_naive(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    w: torch.Tensor,
+    n_visible: torch.Tensor,
+    topk: int,
+    allowed: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """**Pass target B** (indexer score + top-k).
+
+    score[t, j] = sum_h w[t, h] * relu(q[t, h] . k[j]);  -inf where j >= n_visible[t] (or outside ``allowed``).
+    q [T, Hi, di], k [N, di], w [T, Hi], n_visible [T] int, allowed [T, N] bool or None.
+    The score runs in the activation dtype, as the official indexer (bf16 einsum, relu*weights and head sum).
+    Returns (idx [T, min(topk, N)] int64 with -1 for picks that are not visible, scores [T, N]).
+    """
+    scores = torch.einsum("thd,nd->thn", q, k.to(q.dtype))  # [T, Hi, N]
+    scores = (scores.relu() * w.to(q.dtype).unsqueeze(-1)).sum(dim=1)  # [T, N]
+    j = torch.arange(k.shape[0], device=q.device)
+    visible = j.unsqueeze(0) < n_visible.unsqueeze(1)  # [T, N]
+    scores = scores.masked_fill(~visible, float("-inf"))
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    idx = scores.topk(min(topk, k.shape[0]), dim=-1).indices
+    idx = torch.where(idx < n_visible.unsqueeze(1), idx, -1)
+    return idx, scores
+
+
+def candidate_mask(scores: torch.Tensor, n_visible: torch.Tensor, keep_blocks: int, block: int) -> torch.Tensor:
+    """V4.1 pre-filter (candidate source layer): keep the ``keep_blocks`` blocks of ``block`` entries with the
+    highest max score, always keeping the newest (partly filled) visible block; picks scored -inf are dropped.
+    scores [T, N] -> mask [T, N] bool."""
+    t, n = scores.shape
+    pad = -n % block
+    bs = F.pad(scores.float(), (0, pad), value=float("-inf")).view(t, (n + pad) // block, block).amax(-1)  # [T, NB]
+    newest = ((n_visible - 1).clamp(min=0) // block).unsqueeze(1)  # [T, 1]
+    force = torch.zeros_like(bs, dtype=torch.bool).scatter(1, newest, (n_visible > 0).unsqueeze(1))
+    bs = bs.masked_fill(force, float("inf"))
+    vals, blocks = bs.topk(min(keep_blocks, bs.shape[1]), dim=-1)
+    keep = torch.zeros_like(bs, dtype=torch.bool).scatter(1, blocks, vals > float("-inf"))
+    return keep.repeat_interleave(block, dim=1)[:, :n]
+
+
+class IndexerV41(nn.Module):
+    """Index heads over the shared compressed entries. Owners (kv sources) also turn their compressor's latent into
+    indexer keys (wk, k_norm); re-index layers score layer-``candidate_source``'s keys inside its candidates."""
+
+    def __init__(self, cfg: ModelConfig, owns_keys: bool) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.n_heads, self.head_dim = cfg.index_n_heads, cfg.index_head_dim
+        self.wq_b = FP8Linear(cfg.q_lora_rank, cfg.index_n_heads * cfg.index_head_dim, cfg)
+        self.weights_proj = Linear(cfg.dim, cfg.index_n_heads)
+        if owns_keys:
+            self.wk = Linear(cfg.head_dim, cfg.index_head_dim)
+            self.k_norm = RMSNorm(cfg.index_head_dim, cfg.norm_eps)
+
+    def keys(self, latent: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Owner keys from the pre-RoPE compressor latent [N, dc] -> [N, di] (RoPE at the entry position, fq4)."""
+        k = apply_rope(self.k_norm(self.wk(latent)), cos, sin)
+        return fq4_ue8m0(k, 32) if self.cfg.fake_quant else k
+
+    def queries(self, x: torch.Tensor, q_lat: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """-> q [T, Hi, di] (RoPE at t, fq4), head weights [T, Hi]."""
+        q = self.wq_b(q_lat).unflatten(-1, (self.n_heads, self.head_dim))
+        q = apply_rope(q, cos, sin)
+        if self.cfg.fake_quant:
+            q = fq4_ue8m0(q, 32)
+        w = self.weights_proj(x) * (self.head_dim**-0.5 * self.n_heads**-0.5)
+        return q, w
+
+
+class IndexerV4(nn.Module):
+    """V4 CSA indexer with its own overlapping ratio-4 compressor; q and k are Hadamard-rotated then FP4-quantised
+    (the rotation is an exact identity on the scores, so it is applied only with fake-quant on)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.n_heads, self.head_dim = cfg.index_n_heads, cfg.index_head_dim
+        self.wq_b = FP8Linear(cfg.q_lora_rank, cfg.index_n_heads * cfg.index_head_dim, cfg)
+        self.weights_proj = Linear(cfg.dim, cfg.index_n_heads)
+        self.compressor = CompressorV4(cfg, 4, cfg.index_head_dim)
+
+    def _quant(self, x: torch.Tensor) -> torch.Tensor:
+        return fq4_ue8m0(hadamard(x), 32) if self.cfg.fake_quant else x
+
+    def keys(self, x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+        latent, pos = self.compressor(x, positions)
+        cos, sin = rope_cos_sin(pos, inv_freq)
+        return self._quant(apply_rope(latent, cos, sin))
+
+    def queries(self, x: torch.Tensor, q_lat: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        q = self.wq_b(q_lat).unflatten(-1, (self.n_heads, self.head_dim))
+        q = self._quant(apply_rope(q, cos, sin))
+        w = self.weights_proj(x) * (self.head_dim**-0.5 * self.n_heads**-0.5)
+        return q, w

@@ -1,0 +1,124 @@
+"""Small building blocks: RMSNorm, RoPE (with YaRN), FP8 linear, plain linear.
+
+Rounding points follow the official reference (spec V4.1 §11): RMSNorm keeps its weight in fp32 and rounds once;
+RoPE angles and cos/sin are fp32, rotated channels are rounded to the activation dtype.
+Legend: T tokens, H heads, D width, r rope dims.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig
+from .quant import dequant_fp8, fq8
+
+
+def weight_param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+    """An uninitialised, frozen parameter (inference only; the loader fills it)."""
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+class RMSNorm(nn.Module):
+    """y = w * x * rsqrt(mean(x^2) + eps), all in fp32, one rounding to the input dtype."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = weight_param(dim, dtype=torch.bfloat16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    x32 = x.float()
+    y = x32 * torch.rsqrt(x32.square().mean(-1, keepdim=True) + eps)
+    if weight is not None:
+        y = y * weight.float()
+    return y.to(x.dtype)
+
+
+class Linear(nn.Module):
+    """A plain (bf16 checkpoint) linear, computed in the activation dtype. ``fp32=True`` computes in fp32."""
+
+    def __init__(self, in_features: int, out_features: int, fp32: bool = False) -> None:
+        super().__init__()
+        self.fp32 = fp32
+        self.weight = weight_param(out_features, in_features, dtype=torch.bfloat16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fp32:
+            return F.linear(x.float(), self.weight.float())
+        return F.linear(x, self.weight.to(x.dtype))
+
+
+class FP8Linear(nn.Module):
+    """FP8 e4m3 weight with E8M0 block scales (checkpoint format kept as loaded).
+
+    forward: fq8 of the input along K in blocks of ``act_block`` (QAT semantics, when fake-quant is on), then a GEMM
+    with the block-dequantised weight in the activation dtype (fp32 accumulation on the device).
+    """
+
+    def __init__(self, in_features: int, out_features: int, cfg: ModelConfig, quant_input: bool = True) -> None:
+        super().__init__()
+        b = cfg.weight_block
+        self.block, self.act_block = b, cfg.act_block
+        self.quant_input = quant_input and cfg.fake_quant
+        self.weight = weight_param(out_features, in_features, dtype=torch.float8_e4m3fn)
+        self.scale = weight_param(-(-out_features // b), -(-in_features // b), dtype=torch.float8_e8m0fnu)
+
+    def dequant(self, dtype: torch.dtype) -> torch.Tensor:
+        return dequant_fp8(self.weight, self.scale, self.block, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant_input:
+            x = fq8(x, self.act_block)
+        return F.linear(x, self.dequant(x.dtype))
+
+
+# ---- RoPE ---------------------------------------------------------------------------------------------------------
+def rope_inv_freq(cfg: ModelConfig, compressed: bool) -> torch.Tensor:
+    """Per-pair frequencies ω_i, fp32 [r/2]. Compressed layers: base compress_rope_theta with the YaRN blend
+    (DeepSeek convention, V4 spec §4); window-only layers: base rope_theta, no YaRN. No mscale (attention_factor 1)."""
+    r = cfg.rope_head_dim
+    base = cfg.compress_rope_theta if compressed else cfg.rope_theta
+    freqs = 1.0 / (base ** (torch.arange(0, r, 2, dtype=torch.float32) / r))
+    if not compressed or cfg.rope_factor == 1.0:
+        return freqs
+
+    def corr_dim(num_rot: float) -> float:
+        return r * math.log(cfg.original_seq_len / (num_rot * 2 * math.pi)) / (2 * math.log(base))
+
+    lo = max(math.floor(corr_dim(cfg.beta_fast)), 0)
+    hi = min(math.ceil(corr_dim(cfg.beta_slow)), r - 1)
+    if lo == hi:
+        hi += 0.001
+    ramp = ((torch.arange(r // 2, dtype=torch.float32) - lo) / (hi - lo)).clamp(0, 1)
+    return freqs * (1 - ramp) + freqs / cfg.rope_factor * ramp
+
+
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions [T] (int) -> cos, sin fp32 [T, r/2]; angle = t * ω in fp32."""
+    ang = positions.to(torch.float32)[:, None] * inv_freq.to(positions.device)[None, :]
+    return torch.cos(ang), torch.sin(ang)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """Rotate the trailing ``2*cos.shape[-1]`` channels of x [T, ..., D] as interleaved pairs (2i, 2i+1).
+
+    cos/sin are [T, r/2]; they broadcast over any middle dims. ``inverse`` rotates by -angle (output de-rotation).
+    """
+    r = 2 * cos.shape[-1]
+    nope, rot = x[..., :-r], x[..., -r:]
+    shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (r // 2,)
+    c, s = cos.view(shape), sin.view(shape)
+    if inverse:
+        s = -s
+    pairs = rot.float().unflatten(-1, (r // 2, 2))
+    x0, x1 = pairs[..., 0], pairs[..., 1]
+    out = torch.stack([x0 * c - x1 * s, x0 * s + x1 * c], dim=-1).flatten(-2).to(x.dtype)
+    return torch.cat([nope, out], dim=-1)

@@ -1,0 +1,142 @@
+"""The DeepSeek-V4.1-Flash / V4-Flash text backbone, plain PyTorch (spec V4.1 §3-4, V4 §2-3).
+
+Module and parameter names are the official checkpoint names (``layers.L.attn.wq_a.weight`` ...), so a checkpoint
+loads with ``load_state_dict``; the routed experts translate their per-expert names to a stacked layout.
+Legend: T tokens, n mHC streams, D width, V vocab.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .attention import Attention
+from .config import ModelConfig
+from .context import ForwardContext, SharedSlots
+from .engram import Engram
+from .engram_hash import EngramTables, engram_hash_ids, engram_tables, test_token_map
+from .hyper_connections import hc_collapse, hc_expand, hc_head, hc_mixer
+from .layers import RMSNorm, weight_param
+from .moe import MoE
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
+        super().__init__()
+        self.cfg, self.layer_id = cfg, layer_id
+        mix = (2 + cfg.hc_mult) * cfg.hc_mult
+        for site in ("attn", "ffn"):
+            setattr(self, f"hc_{site}_fn", weight_param(mix, cfg.hc_mult * cfg.dim, dtype=torch.float32))
+            setattr(self, f"hc_{site}_base", weight_param(mix, dtype=torch.float32))
+            setattr(self, f"hc_{site}_scale", weight_param(3, dtype=torch.float32))
+        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attn = Attention(cfg, layer_id)
+        self.ffn = MoE(cfg, layer_id)
+        if layer_id in cfg.engram_layers:
+            self.engram = Engram(cfg, cfg.engram_num_embeddings[cfg.engram_layers.index(layer_id)])
+
+    def _mix(self, site: str, x: torch.Tensor):
+        c = self.cfg
+        return hc_mixer(x, getattr(self, f"hc_{site}_fn"), getattr(self, f"hc_{site}_base"),
+                        getattr(self, f"hc_{site}_scale"), c.hc_sinkhorn_iters, c.hc_eps, c.norm_eps)
+
+    def forward(self, x: torch.Tensor, pre: torch.Tensor | None, ctx: ForwardContext, shared: SharedSlots):
+        """x [T, n, D] streams. V4.1 (single pass): ``pre`` comes from the previous site and the one computed here
+        collapses the next site's input; V4: every site uses its own ``pre``. Returns (streams, pre for next)."""
+        if self.cfg.is_v41:
+            if hasattr(self, "engram"):
+                x = self.engram(x, ctx.engram_ids[self.layer_id])
+            pre_a, post, comb = self._mix("attn", x)
+            h = self.attn(self.attn_norm(hc_collapse(x, pre)), ctx, shared)
+            x = hc_expand(x, h, post, comb)
+            pre_f, post, comb = self._mix("ffn", x)
+            h = self.ffn(self.ffn_norm(hc_collapse(x, pre_a)), ctx.input_ids)
+            return hc_expand(x, h, post, comb), pre_f
+        pre_a, post, comb = self._mix("attn", x)
+        x = hc_expand(x, self.attn(self.attn_norm(hc_collapse(x, pre_a)), ctx, shared), post, comb)
+        pre_f, post, comb = self._mix("ffn", x)
+        return hc_expand(x, self.ffn(self.ffn_norm(hc_collapse(x, pre_f)), ctx.input_ids), post, comb), None
+
+
+class Transformer(nn.Module):
+    """``model(input_ids [S])`` -> fp32 logits [S, V] for one sequence starting at position 0."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Module()
+        self.embed.weight = weight_param(cfg.vocab_size, cfg.dim, dtype=torch.bfloat16)
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.head = nn.Module()
+        self.head.weight = weight_param(cfg.vocab_size, cfg.dim, dtype=torch.bfloat16)
+        if not cfg.is_v41:
+            self.hc_head_fn = weight_param(cfg.hc_mult, cfg.hc_mult * cfg.dim, dtype=torch.float32)
+            self.hc_head_base = weight_param(cfg.hc_mult, dtype=torch.float32)
+            self.hc_head_scale = weight_param(1, dtype=torch.float32)
+        self._register_engram_buffers()
+
+    # ---- Engram host-side tables (not in the checkpoint) --------------------------------------------------------------
+    def _register_engram_buffers(self) -> None:
+        cfg = self.cfg
+        if not cfg.engram_layers:
+            return
+        # default: the documented test map (token id mod C); a real tokenizer's map replaces it (set_token_map)
+        self.register_buffer("engram_token_map", test_token_map(cfg.vocab_size, cfg.engram_compressed_vocab_size),
+                             persistent=False)
+        for layer, t in engram_tables(cfg).items():
+            for name, value in t._asdict().items():
+                self.register_buffer(f"engram_{name}_{layer}", value, persistent=False)
+
+    def set_token_map(self, token_map: torch.Tensor) -> None:
+        """Install the compressed token map built from the tokenizer (``engram_hash.build_token_map``)."""
+        from .engram_hash import check_token_map
+
+        check_token_map(token_map, self.cfg)
+        self.engram_token_map = token_map.to(self.embed.weight.device)
+
+    def reset_buffers(self) -> None:
+        """Recompute non-checkpoint buffers (after building on the meta device and loading with assign=True)."""
+        device = self.embed.weight.device
+        if self.cfg.engram_layers:
+            self._register_engram_buffers()
+        for layer in self.layers:
+            layer.attn.reset_buffers()
+        self.to(device)
+
+    def engram_ids(self, input_ids: torch.Tensor) -> dict[int, torch.Tensor]:
+        cfg = self.cfg
+        comp = self.engram_token_map[input_ids]
+        pad = self.engram_token_map[cfg.engram_pad_id]
+        out = {}
+        for layer in cfg.engram_layers:
+            t = EngramTables(*(getattr(self, f"engram_{n}_{layer}") for n in EngramTables._fields))
+            out[layer] = engram_hash_ids(comp, layer, cfg, {layer: t}, pad)
+        return out
+
+    # ---- forward -----------------------------------------------------------------------------------------------
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        cfg = self.cfg
+        if input_ids.dim() == 2 and input_ids.shape[0] == 1:
+            input_ids = input_ids[0]
+        if input_ids.dim() != 1 or input_ids.numel() == 0:
+            raise ValueError(f"input_ids must be a non-empty 1-D sequence, got shape {tuple(input_ids.shape)}")
+        ctx = ForwardContext.for_sequence(input_ids, cfg.window_size)
+        if cfg.engram_layers:
+            ctx.engram_ids = self.engram_ids(input_ids)
+        h = self.embed.weight[input_ids].to(cfg.torch_dtype)  # [T, D]
+        x = h.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()  # [T, n, D]: n identical streams
+        pre = None
+        if cfg.is_v41:  # the first site collapses with a one-hot on stream 0
+            pre = torch.zeros(h.shape[0], cfg.hc_mult, device=h.device)
+            pre[:, 0] = 1.0
+        shared = SharedSlots()
+        for layer in self.layers:
+            x, pre = layer(x, pre, ctx, shared)
+        if cfg.is_v41:
+            y = hc_collapse(x, pre)
+        else:
+            y = hc_head(x, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, cfg.hc_eps, cfg.norm_eps)
+        y = self.norm(y)
+        return y.float() @ self.head.weight.float().t()  # official: fp32 head GEMM

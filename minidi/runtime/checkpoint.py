@@ -1,0 +1,301 @@
+"""Checkpoint I/O in the real HF layout: ``config.json`` + sharded safetensors + ``model.safetensors.index.json``.
+
+- ``write_checkpoint``: shard a state dict the way the release is laid out (official names, no ``model.`` prefix).
+- ``tiny_checkpoint``: the embedded default model, written once into a cache folder (atomically) and reused.
+- ``load_checkpoint``: stream tensors shard by shard with ``safe_open`` (memory-mapped; one tensor materialised at a
+  time), validate against ``expected_tensors(cfg)`` and raise ONE ``CheckpointError`` listing every problem.
+  MTP / DSpark / vision names (``weight_table.SKIPPED_PREFIXES``) are skipped, not unexpected.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from minidi.model.config import ModelConfig
+from minidi.model.presets import preset
+from minidi.runtime.weight_table import TensorSpec, expected_tensors, is_skipped_name
+
+log = logging.getLogger(__name__)
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+_MAX_LISTED = 100  # per problem category; the count is always given
+
+ST_DTYPES: dict[torch.dtype, str] = {
+    torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.float64: "F64",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+    torch.float8_e8m0fnu: "F8_E8M0",
+}
+
+
+class CheckpointError(ValueError):
+    """Everything wrong with a checkpoint, in one message; ``problems`` holds one line per problem."""
+
+    def __init__(self, path: Path, problems: list[str]) -> None:
+        self.path = path
+        self.problems = problems
+        super().__init__(f"checkpoint {path}: {len(problems)} problem(s):\n  - " + "\n  - ".join(problems))
+
+
+# ---- writing --------------------------------------------------------------------------------------------------------
+def _shard_file(i: int, n: int) -> str:
+    return f"model-{i:05d}-of-{n:05d}.safetensors"
+
+
+def write_checkpoint(
+    path: str | Path,
+    cfg: ModelConfig,
+    tensors: dict[str, torch.Tensor],
+    max_shard_bytes: int | None = 4 << 30,
+) -> Path:
+    """Write ``config.json``, ``model-0000k-of-0000n.safetensors`` shards and ``model.safetensors.index.json``.
+
+    Tensors are packed greedily in dict order into shards of at most ``max_shard_bytes`` (a larger tensor gets a shard
+    of its own). ``max_shard_bytes=None`` writes one ``model.safetensors`` without an index. Returns ``path``.
+    """
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=2) + "\n")
+    groups: list[list[str]] = [[]]
+    size = 0
+    for name, t in tensors.items():
+        nb = t.numel() * t.element_size()
+        if max_shard_bytes is not None and groups[-1] and size + nb > max_shard_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(name)
+        size += nb
+    files = [SINGLE_NAME] if max_shard_bytes is None else [_shard_file(i + 1, len(groups)) for i in range(len(groups))]
+    weight_map: dict[str, str] = {}
+    for fname, names in zip(files, groups):
+        save_file(_host_copies(tensors, names), str(path / fname), metadata={"format": "pt"})
+        weight_map.update({n: fname for n in names})
+    if max_shard_bytes is not None:
+        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (path / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+    return path
+
+
+def _host_copies(tensors: dict[str, torch.Tensor], names: list[str]) -> dict[str, torch.Tensor]:
+    """CPU, contiguous, non-aliasing tensors for one shard (safetensors refuses tensors that share storage; views
+    into per-layer expert stacks and shared-expert aliases are copied, one shard at a time)."""
+    out: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for n in names:
+        t = tensors[n].detach().to("cpu").contiguous()
+        ptr = t.untyped_storage().data_ptr()
+        if ptr in seen or t.untyped_storage().nbytes() != t.numel() * t.element_size():
+            t = t.clone()
+        seen.add(t.untyped_storage().data_ptr())
+        out[n] = t
+    return out
+
+
+# ---- the embedded default -------------------------------------------------------------------------------------------
+def default_cache_root() -> Path:
+    """``$MINIDI_CACHE`` or ``~/.cache/minidi``."""
+    env = os.environ.get("MINIDI_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "minidi"
+
+
+def tiny_checkpoint(preset_name: str = "tiny-v41", seed: int = 0, cache_dir: str | Path | None = None) -> Path:
+    """Path of a random-weight checkpoint of ``preset_name`` (``<cache>/<preset>-seed<seed>``), made on first use.
+
+    Written into a temp folder and renamed into place, so a reader never sees a half-written checkpoint and
+    concurrent writers do not clash. A cached copy whose config.json differs from the current preset is rebuilt.
+    Several small shards even for the tiny model, so the sharded path is always exercised.
+    """
+    from minidi.runtime.random_weights import random_state_dict  # generator only needed on a cache miss
+
+    cfg = preset(preset_name)
+    root = Path(cache_dir) if cache_dir is not None else default_cache_root()
+    final = root / f"{preset_name}-seed{seed}"
+    want = json.dumps(cfg.to_hf_dict(), sort_keys=True)
+    if (final / INDEX_NAME).is_file() and _config_text(final) == want:
+        return final
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / f".{final.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        write_checkpoint(tmp, cfg, random_state_dict(cfg, seed=seed), max_shard_bytes=2 << 20)
+        if final.exists():  # stale (preset changed): move aside, then swap in
+            old = root / f".{final.name}.old-{uuid.uuid4().hex[:8]}"
+            try:
+                final.rename(old)
+                shutil.rmtree(old, ignore_errors=True)
+            except OSError:
+                pass  # another process moved it first
+        try:
+            tmp.rename(final)
+        except OSError:
+            if not ((final / INDEX_NAME).is_file() and _config_text(final) == want):
+                raise  # not a benign race with an identical writer
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def _config_text(path: Path) -> str | None:
+    try:
+        return json.dumps(json.loads((path / "config.json").read_text()), sort_keys=True)
+    except (OSError, ValueError):
+        return None
+
+
+# ---- loading --------------------------------------------------------------------------------------------------------
+def _read_weight_map(path: Path, problems: list[str]) -> dict[str, str] | None:
+    """name -> shard file from the index, or the names of a single ``model.safetensors``; None if unusable."""
+    index = path / INDEX_NAME
+    if index.is_file():
+        try:
+            raw = json.loads(index.read_text())
+        except (OSError, ValueError) as e:
+            problems.append(f"unreadable index {INDEX_NAME}: {e}")
+            return None
+        wm = raw.get("weight_map") if isinstance(raw, dict) else None
+        if not isinstance(wm, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in wm.items()):
+            problems.append(f"malformed index {INDEX_NAME}: needs a 'weight_map' object of name -> shard file")
+            return None
+        return wm
+    if (path / SINGLE_NAME).is_file():
+        try:
+            with safe_open(str(path / SINGLE_NAME), framework="pt") as f:
+                return {k: SINGLE_NAME for k in f.keys()}
+        except Exception as e:  # noqa: BLE001 - safetensors raises several error types for bad files
+            problems.append(f"corrupt shard {SINGLE_NAME}: {e}")
+            return None
+    problems.append(f"no {INDEX_NAME} and no {SINGLE_NAME} in {path}")
+    return None
+
+
+def _listed(title: str, items: list[str]) -> str:
+    shown = ", ".join(items[:_MAX_LISTED])
+    more = f" ... (+{len(items) - _MAX_LISTED} more)" if len(items) > _MAX_LISTED else ""
+    return f"{title} ({len(items)}): {shown}{more}"
+
+
+def load_checkpoint(
+    path: str | Path,
+    cfg: ModelConfig | None = None,
+    device: torch.device | str = "cpu",
+    only: Callable[[str], bool] | None = None,
+    skipped: list[str] | None = None,
+) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Load and validate a checkpoint folder; returns ``(cfg, {official name: tensor on device})``.
+
+    cfg: overrides ``config.json`` (which is then optional); otherwise read with ``ModelConfig.from_hf_config``.
+    only: predicate on names; tensors it rejects are neither read nor reported missing (e.g. one rank's experts).
+    skipped: if given, receives the names skipped as outside the text backbone (``mtp.``, ``vision.``, ...).
+    Raises ``CheckpointError`` (a ValueError) listing every problem: missing / unexpected / misshaped / wrong-dtype
+    tensors, missing or corrupt shard files, names in the index absent from their shard, bad index or config.
+    """
+    path = Path(path)
+    problems: list[str] = []
+    if not path.is_dir():
+        raise CheckpointError(path, [f"not a directory: {path}"])
+    if cfg is None:
+        try:
+            cfg = ModelConfig.from_hf_config(path)
+        except FileNotFoundError:
+            problems.append(f"missing config.json in {path}")
+        except (ValueError, KeyError, TypeError) as e:
+            problems.append(f"bad config.json: {e}")
+    table: dict[str, TensorSpec] | None = expected_tensors(cfg) if cfg is not None else None
+    wanted = (lambda n: True) if only is None else only
+    weight_map = _read_weight_map(path, problems)
+
+    out: dict[str, torch.Tensor] = {}
+    skip: list[str] = []
+    unexpected: list[str] = []
+    misshaped: list[str] = []
+    wrong_dtype: list[str] = []
+    by_shard: dict[str, list[str]] = {}
+    for name, shard in (weight_map or {}).items():
+        by_shard.setdefault(shard, []).append(name)
+    for shard, names in by_shard.items():
+        todo = []
+        for n in names:
+            if is_skipped_name(n):
+                skip.append(n)
+            elif table is not None and n not in table:
+                unexpected.append(n)
+            elif wanted(n):
+                todo.append(n)
+        if not todo:
+            continue
+        fpath = path / shard
+        if not fpath.is_file():
+            problems.append(_listed(f"index points at missing shard file {shard} for tensors", todo))
+            continue
+        try:
+            _read_shard(fpath, todo, table, device, out, misshaped, wrong_dtype, problems)
+        except Exception as e:  # noqa: BLE001 - header/truncation errors come as SafetensorError, OSError, ...
+            problems.append(f"corrupt shard {shard}: {type(e).__name__}: {e}")
+
+    if table is not None and weight_map is not None:
+        listed = set(weight_map)
+        missing = [n for n in table if n not in listed and wanted(n)]
+        if missing:
+            problems.append(_listed("missing tensors", missing))
+    if unexpected:
+        problems.append(_listed("unexpected tensors", unexpected))
+    if misshaped:
+        problems.append(_listed("misshaped tensors (name: expected -> got)", misshaped))
+    if wrong_dtype:
+        problems.append(_listed("wrong dtype (name: expected -> got)", wrong_dtype))
+    if skip:
+        prefixes = sorted({n.split(".")[0] for n in skip})
+        log.info("skipped %d tensors outside the text backbone (%s)", len(skip), ", ".join(prefixes))
+        if skipped is not None:
+            skipped.extend(skip)
+    if problems:
+        raise CheckpointError(path, problems)
+    assert cfg is not None and table is not None
+    return cfg, {n: out[n] for n in table if n in out}
+
+
+def _read_shard(
+    fpath: Path,
+    names: list[str],
+    table: dict[str, TensorSpec] | None,
+    device: torch.device | str,
+    out: dict[str, torch.Tensor],
+    misshaped: list[str],
+    wrong_dtype: list[str],
+    problems: list[str],
+) -> None:
+    """Check each tensor's header entry against the table, then materialise it on ``device`` (one at a time)."""
+    dev = str(torch.device(device))
+    with safe_open(str(fpath), framework="pt", device=dev) as f:
+        present = set(f.keys())
+        absent = [n for n in names if n not in present]
+        if absent:
+            problems.append(_listed(f"tensors named in the index but absent from shard {fpath.name}", absent))
+        for n in names:
+            if n not in present:
+                continue
+            if table is not None:
+                sl = f.get_slice(n)
+                shape, dt = tuple(sl.get_shape()), sl.get_dtype()
+                spec = table[n]
+                ok = True
+                if shape != spec.shape:
+                    misshaped.append(f"{n}: {list(spec.shape)} -> {list(shape)}")
+                    ok = False
+                if dt != ST_DTYPES[spec.dtype]:
+                    wrong_dtype.append(f"{n}: {ST_DTYPES[spec.dtype]} -> {dt}")
+                    ok = False
+                if not ok:
+                    continue
+                out[n] = f.get_tensor(n)  # without a config nothing can be validated: headers only
