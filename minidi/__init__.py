@@ -1,0 +1,13 @@
+"""minidi: a mini inference engine for DeepSeek-V4.1-Flash and DeepSeek-V4-Flash.
+
+The model is plain PyTorch (``minidi.model``); speed is meant to come from ``torch.compile`` with minidi's passes
+(``minidi.passes``) swapping in Triton custom ops (``minidi.ops``). ``minidi.runtime`` loads checkpoints in the
+official layout and builds models.
+"""
+
+from minidi.model.config import ModelConfig
+from minidi.model.presets import PRESETS, preset
+from minidi.runtime.build import load_model
+
+__all__ = ["ModelConfig", "PRESETS", "preset", "load_model"]
+__version__ = "0.1.0"

@@ -37,8 +37,9 @@ class CompressorV41(nn.Module):
         if m == 1:
             return self.norm(F.linear(x, self.wkv.weight.to(x.dtype))), positions
         xg = x[: n * m].float()
-        k = (xg @ self.wkv.weight.float().t()).view(n, m, -1)  # [N, m, dc] fp32
-        g = (xg @ self.wgate.weight.float().t()).view(n, m, -1)
+        width = self.wkv.weight.shape[0]
+        k = (xg @ self.wkv.weight.float().t()).view(n, m, width)  # [N, m, dc] fp32
+        g = (xg @ self.wgate.weight.float().t()).view(n, m, width)
         pooled = (torch.softmax(g, dim=1) * k).sum(dim=1)  # [N, dc]
         return self.norm(pooled.to(x.dtype)), positions[: n * m : m]
 
@@ -64,8 +65,9 @@ class CompressorV4(nn.Module):
         m, dc = self.ratio, self.dc
         n = x.shape[0] // m
         xg = x[: n * m].float()
-        k = (xg @ self.wkv.weight.float().t()).view(n, m, -1)  # [N, m, c*dc]
-        g = (xg @ self.wgate.weight.float().t()).view(n, m, -1) + self.ape.float()
+        width = self.wkv.weight.shape[0]
+        k = (xg @ self.wkv.weight.float().t()).view(n, m, width)  # [N, m, c*dc]
+        g = (xg @ self.wgate.weight.float().t()).view(n, m, width) + self.ape.float()
         if self.overlap:
             # entry w pools slots 0..m-1 = A-half of window w-1 and slots m..2m-1 = B-half of window w
             ka, kb = k[..., :dc], k[..., dc:]

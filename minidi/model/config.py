@@ -165,6 +165,7 @@ class ModelConfig:
             return p
         if len(self.compress_ratios) != self.n_layers:
             p.append(f"compress_ratios has {len(self.compress_ratios)} entries, n_layers is {self.n_layers}")
+            return p
         if self.dtype not in ("bfloat16", "float32"):
             p.append(f"dtype must be 'bfloat16' or 'float32', got {self.dtype!r}")
         if self.n_heads % self.o_groups:
@@ -190,6 +191,11 @@ class ModelConfig:
                     p.append(f"kv source layer {layer} must be a compressed layer")
             for r in set(self.compress_ratios) - {0, 1, 2}:
                 p.append(f"V4.1 compress ratio {r} not supported (0, 1, 2)")
+            for layer in self.index_source_layers:
+                if not (0 <= layer < self.n_layers) or self.ratio(layer) == 0:
+                    p.append(f"index source layer {layer} must be a compressed layer")
+            if self.candidate_source_layer >= 0 and self.candidate_source_layer not in self.kv_source_layers:
+                p.append(f"candidate source layer {self.candidate_source_layer} must be a kv source layer")
             first_src = min(self.kv_source_layers, default=self.n_layers)
             for layer in range(self.n_layers):
                 if self.ratio(layer) and layer < first_src:
@@ -273,10 +279,13 @@ class ModelConfig:
 
 
 def _from_hf_dict(raw: dict[str, Any], **overrides: Any) -> ModelConfig:
-    model_type = raw.get("model_type", "")
+    if not isinstance(raw, dict):
+        raise ValueError(f"config.json must hold a JSON object, got {type(raw).__name__}")
+    model_type = raw.get("model_type") or ""
     if "text_config" in raw:
-        raw = {**raw["text_config"]}
-        model_type = raw.get("model_type", "deepseek_v41_text")
+        text = raw["text_config"]
+        model_type = text.get("model_type") or ("deepseek_v41_text" if model_type == "deepseek_v41" else model_type)
+        raw = {**text}
     if model_type.startswith("deepseek_v41"):
         arch = "v41"
     elif model_type == "deepseek_v4":

@@ -82,10 +82,13 @@ class Transformer(nn.Module):
         cfg = self.cfg
         if not cfg.engram_layers:
             return
-        # default: the documented test map (token id mod C); a real tokenizer's map replaces it (set_token_map)
-        self.register_buffer("engram_token_map", test_token_map(cfg.vocab_size, cfg.engram_compressed_vocab_size),
-                             persistent=False)
-        for layer, t in engram_tables(cfg).items():
+        # default: the documented test map (token id mod C); a real tokenizer's map replaces it (set_token_map).
+        # Host-side constants: built on the CPU even when the module is being built on the meta device.
+        with torch.device("cpu"):
+            token_map = test_token_map(cfg.vocab_size, cfg.engram_compressed_vocab_size)
+            tables = engram_tables(cfg)
+        self.register_buffer("engram_token_map", token_map, persistent=False)
+        for layer, t in tables.items():
             for name, value in t._asdict().items():
                 self.register_buffer(f"engram_{name}_{layer}", value, persistent=False)
 
@@ -101,8 +104,9 @@ class Transformer(nn.Module):
         device = self.embed.weight.device
         if self.cfg.engram_layers:
             self._register_engram_buffers()
-        for layer in self.layers:
-            layer.attn.reset_buffers()
+        for module in self.modules():
+            if module is not self and hasattr(module, "reset_buffers"):
+                module.reset_buffers()
         self.to(device)
 
     def engram_ids(self, input_ids: torch.Tensor) -> dict[int, torch.Tensor]:
@@ -122,6 +126,15 @@ class Transformer(nn.Module):
             input_ids = input_ids[0]
         if input_ids.dim() != 1 or input_ids.numel() == 0:
             raise ValueError(f"input_ids must be a non-empty 1-D sequence, got shape {tuple(input_ids.shape)}")
+        if not torch.compiler.is_compiling():  # the compiled runtime validates requests before the step
+            bad = (input_ids < 0) | (input_ids >= cfg.vocab_size)
+            if bad.any():
+                pos = int(bad.nonzero()[0, 0])
+                raise ValueError(f"token id {int(input_ids[pos])} at position {pos} is outside the vocabulary "
+                                 f"[0, {cfg.vocab_size})")
+            if input_ids.numel() > cfg.max_position_embeddings:
+                raise ValueError(f"sequence of {input_ids.numel()} tokens exceeds max_position_embeddings "
+                                 f"{cfg.max_position_embeddings}")
         ctx = ForwardContext.for_sequence(input_ids, cfg.window_size)
         if cfg.engram_layers:
             ctx.engram_ids = self.engram_ids(input_ids)

@@ -109,6 +109,9 @@ class RoutedExperts(nn.Module):
         # which experts this rank computes (all of them on one device; expert parallelism narrows it)
         self.register_buffer("local", torch.ones(e, dtype=torch.bool), persistent=False)
 
+    def reset_buffers(self) -> None:
+        self.local = torch.ones(self.w1.shape[0], dtype=torch.bool, device=self.w1.device)
+
     # checkpoint names <-> stacked layout ----------------------------------------------------------------------------
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         for name in self.NAMES:

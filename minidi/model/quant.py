@@ -144,14 +144,14 @@ def fq4_e4m3(x: torch.Tensor, block: int = 16) -> torch.Tensor:
     """e2m1 fake-quant per ``block`` channels with an e4m3 scale e4m3(max(amax, 6*2^-9)/6) (not a power of two)."""
     g = _blocks(x, block)
     amax = g.abs().amax(-1, keepdim=True).clamp_min(E2M1_MAX * 2.0**-9)
-    s = (amax / E2M1_MAX).to(torch.float8_e4m3fn).float()
+    s = (amax / E2M1_MAX).clamp_max(E4M3_MAX).to(torch.float8_e4m3fn).float()  # explicit saturation
     return (round_e2m1((g / s).clamp(-E2M1_MAX, E2M1_MAX)) * s).flatten(-2).to(x.dtype)
 
 
 # ---- Hadamard (V4 indexer) ---------------------------------------------------------------------------------------
 def hadamard_matrix(n: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """Sylvester-order Hadamard matrix scaled by n^-1/2 (fp32 [n, n]); n a power of two."""
-    if n & (n - 1):
+    if n < 1 or n & (n - 1):
         raise ValueError(f"Hadamard size {n} is not a power of two")
     h = torch.ones(1, 1, device=device)
     while h.shape[0] < n:

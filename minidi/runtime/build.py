@@ -1,0 +1,62 @@
+"""Build a ready model: from a checkpoint directory (real layout) or from a preset with random weights.
+
+``load_model("tiny-v41")`` writes (once, in a cache folder) and loads the embedded tiny checkpoint;
+``load_model("v41-flash", device="cuda", share_experts=True)`` builds the full-size shapes directly in device memory
+(random weights in the checkpoint formats; a 290 GB checkpoint cannot be written here).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from minidi.model.config import ModelConfig
+from minidi.model.model import Transformer
+from minidi.model.presets import PRESETS, preset
+
+from .checkpoint import load_checkpoint, tiny_checkpoint
+from .random_weights import random_state_dict
+
+
+def model_from_tensors(cfg: ModelConfig, tensors: dict[str, torch.Tensor], device: str | torch.device) -> Transformer:
+    """Build on the meta device and adopt ``tensors`` (no second copy of the weights)."""
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    tensors = {k: v.to(device) for k, v in tensors.items()}
+    model.load_state_dict(tensors, strict=True, assign=True)
+    model.reset_buffers()
+    return model.eval()
+
+
+def load_model(
+    path_or_preset: str | Path,
+    device: str | torch.device = "cpu",
+    *,
+    seed: int = 0,
+    share_experts: bool = False,
+    **overrides: Any,
+) -> Transformer:
+    """The public entry point.
+
+    - a directory: a checkpoint in the official layout (config.json, sharded safetensors + index, `.scale` sidecars);
+    - ``tiny-*``: the embedded tiny random-weight checkpoint, written on demand in the cache and loaded from disk;
+    - ``v41-flash`` / ``v4-flash``: full-size shapes with random weights built on ``device``
+      (``share_experts=True`` shares one routed-expert set across layers so all layers fit on one GPU).
+    ``overrides`` replace config fields (``dtype="float32"``, ``fake_quant=False``, ...).
+    """
+    name = str(path_or_preset)
+    if Path(name).is_dir():
+        cfg, tensors = load_checkpoint(name, device="cpu")
+        cfg = cfg.with_(**overrides) if overrides else cfg
+        return model_from_tensors(cfg, tensors, device)
+    if name not in PRESETS:
+        raise ValueError(f"{name!r} is neither a checkpoint directory nor a preset ({', '.join(PRESETS)})")
+    if name.startswith("tiny"):
+        cfg, tensors = load_checkpoint(tiny_checkpoint(name, seed=seed), device="cpu")
+        cfg = cfg.with_(name=name, **overrides)
+        return model_from_tensors(cfg, tensors, device)
+    cfg = preset(name, **overrides)
+    return model_from_tensors(cfg, random_state_dict(cfg, seed=seed, device=device, share_experts=share_experts),
+                              device)

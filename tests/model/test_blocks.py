@@ -1,0 +1,166 @@
+"""Unit tests of the model's hot-spot functions and small blocks against independent float64 formulations."""
+
+import math
+
+import pytest
+import torch
+
+from minidi.model.indexer import candidate_mask, indexer_topk_naive
+from minidi.model.moe import RoutedExperts, grouped_mm, moe_combine_naive
+from minidi.model.presets import preset
+from minidi.model.sparse_attention import sparse_attention_naive
+
+
+def _dense_attention_f64(q, keys, valid, sink, scale):
+    """Attention over an explicit per-query key list in float64; the sink joins the denominator only."""
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    for t in range(q.shape[0]):
+        k = keys[t][valid[t]].double()  # [K, D]
+        s = q[t].double() @ k.T * scale  # [H, K]
+        m = s.max(-1, keepdim=True).values
+        e = torch.exp(s - m)
+        p = e / (e.sum(-1, keepdim=True) + torch.exp(sink.double()[:, None] - m))
+        out[t] = p @ k
+    return out
+
+
+def _case(t=13, h=3, d=32, nw=13, nc=7, w=5, kc=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(t, h, d, generator=g)
+    wkv = torch.randn(nw, d, generator=g)
+    ckv = torch.randn(nc, d, generator=g)
+    pos = torch.arange(t)
+    widx = pos[:, None] - (w - 1) + torch.arange(w)[None]
+    widx = torch.where(widx >= 0, widx, -1)
+    cidx = torch.randint(0, nc, (t, kc), generator=g)
+    cidx[::3, -2:] = -1  # ragged: fewer valid compressed keys than slots
+    cidx[5] = -1  # a query with no compressed keys at all
+    sink = torch.randn(h, generator=g)
+    return q, wkv, widx, ckv, cidx, sink
+
+
+def test_sparse_attention_matches_float64_reference():
+    q, wkv, widx, ckv, cidx, sink = _case()
+    out = sparse_attention_naive(q, wkv, widx, ckv, cidx, sink, 0.2)
+    keys = torch.cat([wkv[widx.clamp(min=0)], ckv[cidx.clamp(min=0)]], 1)
+    valid = torch.cat([widx, cidx], 1) >= 0
+    ref = _dense_attention_f64(q, keys, valid, sink, 0.2)
+    assert (out.double() - ref).abs().max() < 1e-5
+
+
+def test_sparse_attention_ignores_garbage_in_empty_slots():
+    q, wkv, widx, ckv, cidx, sink = _case()
+    out = sparse_attention_naive(q, wkv, widx, ckv, cidx, sink, 0.2)
+    # a -1 slot must not read row 0: poisoning row 0 of the caches changes only queries that really use it
+    wkv2, ckv2 = wkv.clone(), ckv.clone()
+    wkv2[0], ckv2[0] = 1e4, 1e4
+    out2 = sparse_attention_naive(q, wkv2, widx, ckv2, cidx, sink, 0.2)
+    uses0 = (widx == 0).any(1) | (cidx == 0).any(1)
+    assert torch.equal(out[~uses0], out2[~uses0])
+
+
+def test_sparse_attention_sink_is_denominator_only_and_bf16_rounding():
+    q, wkv, widx, ckv, cidx, sink = _case(h=2)
+    big_sink = torch.full_like(sink, 30.0)  # if the sink entered the max, outputs would not shrink this way
+    out = sparse_attention_naive(q, wkv, widx, ckv, cidx, big_sink, 0.2)
+    keys = torch.cat([wkv[widx.clamp(min=0)], ckv[cidx.clamp(min=0)]], 1)
+    valid = torch.cat([widx, cidx], 1) >= 0
+    ref = _dense_attention_f64(q, keys, valid, big_sink, 0.2)
+    assert (out.double() - ref).abs().max() < 1e-9 + 1e-5 * ref.abs().max()
+    # bf16: the unnormalised probabilities are rounded to bf16 before PV -> equals a reference that rounds there
+    qb, wb, cb = q.bfloat16(), wkv.bfloat16(), ckv.bfloat16()
+    outb = sparse_attention_naive(qb, wb, widx, cb, cidx, sink, 0.2).double()
+    kb = torch.cat([wb[widx.clamp(min=0)], cb[cidx.clamp(min=0)]], 1).float()
+    s = torch.einsum("thd,tkd->thk", qb.float(), kb) * 0.2
+    s = s.masked_fill(~valid[:, None], float("-inf"))
+    m = s.amax(-1, keepdim=True)
+    e = torch.exp(s - m)
+    den = e.sum(-1, keepdim=True) + torch.exp(sink.view(1, -1, 1) - m)
+    rounded = (torch.einsum("thk,tkd->thd", e.bfloat16().float(), kb) / den).bfloat16().double()
+    unrounded = (torch.einsum("thk,tkd->thd", e, kb) / den).bfloat16().double()
+    assert (outb - rounded).abs().max() <= (outb - unrounded).abs().max()
+    assert (outb - rounded).abs().max() < 1e-2
+
+
+def test_indexer_topk_matches_float64_and_masks_invisible():
+    g = torch.Generator().manual_seed(1)
+    t, hi, di, n = 11, 8, 16, 9
+    q, k, w = torch.randn(t, hi, di, generator=g), torch.randn(n, di, generator=g), torch.rand(t, hi, generator=g)
+    n_vis = (torch.arange(t) + 1) // 1
+    idx, scores = indexer_topk_naive(q, k, w, n_vis.clamp(max=n), 4)
+    ref = (torch.einsum("thd,nd->thn", q.double(), k.double()).relu() * w.double()[..., None]).sum(1)
+    vis = torch.arange(n)[None] < n_vis.clamp(max=n)[:, None]
+    assert torch.allclose(scores[vis].double(), ref[vis], atol=1e-5)
+    assert torch.isinf(scores[~vis]).all()
+    for row in range(t):
+        picks = set(idx[row][idx[row] >= 0].tolist())
+        nv = int(n_vis[row].clamp(max=n))
+        assert len(picks) == min(4, nv) and all(p < nv for p in picks)
+        want = set(ref[row, :nv].topk(min(4, nv)).indices.tolist())
+        assert picks == want
+
+
+def test_candidate_mask_keeps_best_blocks_and_newest():
+    # 2 queries, 12 entries, blocks of 4 -> 3 blocks; keep 1 block (+ the forced newest)
+    s = torch.full((2, 12), float("-inf"))
+    s[0, :9] = torch.tensor([9.0, 0, 0, 0, 1, 1, 1, 1, 0.5])  # n_vis 9: newest block is 2 (entry 8)
+    s[1, :3] = torch.tensor([1.0, 2, 3])  # n_vis 3: only block 0 visible
+    m = candidate_mask(s, torch.tensor([9, 3]), keep_blocks=2, block=4)
+    assert m[0].tolist() == [True] * 4 + [False] * 4 + [True] * 4  # block 0 (max 9) + forced newest block 2
+    assert m[1].tolist() == [True] * 4 + [False] * 8  # -inf blocks are dropped even though 2 may be kept
+
+
+def test_moe_combine_never_leaks_nonlocal_rows():
+    g = torch.Generator().manual_seed(2)
+    t, k, d = 5, 3, 8
+    rows = torch.randn(t * k, d, generator=g)
+    order = torch.randperm(t * k, generator=g)
+    local = torch.rand(t * k, generator=g) > 0.4
+    rows[~local] = float("nan")
+    out = moe_combine_naive(rows, order, local, k)
+    slots = torch.zeros(t * k, d, dtype=torch.float64)
+    slots[order[local]] = rows[local].double()
+    assert torch.isfinite(out).all()
+    assert torch.allclose(out.double(), slots.view(t, k, d).sum(1), atol=1e-6)
+
+
+def test_grouped_mm_matches_per_expert_loop():
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(10, 16, generator=g), torch.randn(3, 8, 16, generator=g)
+    offs = torch.tensor([4, 4, 10], dtype=torch.int32)
+    out = grouped_mm(x, w, offs)
+    ref = torch.cat([x[:4] @ w[0].T, x[4:] @ w[2].T])
+    assert torch.allclose(out, ref, atol=1e-5)
+
+
+def test_routed_experts_state_dict_speaks_checkpoint_names():
+    cfg = preset("tiny-v41")
+    ex = RoutedExperts(cfg)
+    sd = {k: torch.randint(0, 255, v.shape, dtype=torch.uint8).view(v.dtype) if v.dtype != torch.int8 else
+          torch.randint(-128, 127, v.shape, dtype=torch.int8) for k, v in ex.state_dict().items()}
+    assert "3.w2.scale" in sd and sd["3.w2.weight"].shape == (cfg.dim, cfg.moe_inter_dim // 2)
+    ex.load_state_dict(sd)
+    assert torch.equal(ex.w2[3], sd["3.w2.weight"])
+    bad = dict(sd)
+    bad["3.w2.weight"] = bad["3.w2.weight"][:, :-1]
+    del bad["4.w1.scale"]
+    bad["9.w1.weight"] = sd["0.w1.weight"]
+    with pytest.raises(RuntimeError) as e:
+        ex.load_state_dict(bad)
+    msg = str(e.value)
+    assert "3.w2.weight" in msg and "4.w1.scale" in msg and "9.w1.weight" in msg
+
+
+def test_rope_yarn_tiny_ramp():
+    from minidi.model.layers import rope_inv_freq
+
+    cfg = preset("tiny-v41")
+    base = 1.0 / (cfg.compress_rope_theta ** (torch.arange(0, 64, 2).double() / 64))
+    f = rope_inv_freq(cfg, compressed=True).double()
+    # tiny YaRN ramp: lo = 0, hi = 7 (spec §15): pair 0 unscaled, pairs >= 7 divided by the factor 16
+    assert math.isclose(f[0].item(), base[0].item(), rel_tol=1e-6)
+    assert torch.allclose(f[7:], base[7:] / 16, rtol=1e-6)
+    ramp3 = 3 / 7
+    assert math.isclose(f[3].item(), (base[3] * (1 - ramp3) + base[3] / 16 * ramp3).item(), rel_tol=1e-6)
+    main = rope_inv_freq(cfg, compressed=False).double()
+    assert torch.allclose(main, 1.0 / (cfg.rope_theta ** (torch.arange(0, 64, 2).double() / 64)), rtol=1e-6)
