@@ -550,3 +550,33 @@ def test_fake_quant_effect(run):
     assert 0.01 < rel(t_off["L0.qr"], t_on["L0.qr"]) < 0.05
     assert 0.01 < rel(t_off["L0.attn_out"], t_on["L0.attn_out"]) < 0.1
     assert 1e-3 < rel(off, on) < 1.5 and torch.isfinite(on).all()
+
+
+def test_second_shape_tiny_v41_b():
+    """tiny-v41-b (other schedule: kv sources 1/4, Reindex 6, window 8, top-k 6, 3 candidate blocks): finite,
+    causal, picks visible, Reindex picks inside the candidates, filter bites exactly once N_t > 3·4."""
+    from minidi.runtime.random_weights import random_state_dict
+
+    cfg = preset("tiny-v41-b", dtype="float32", fake_quant=False)
+    W = ref.dequantize_checkpoint(random_state_dict(cfg, seed=1))
+    Sb = 72
+    ids = torch.randint(0, cfg.vocab_size, (Sb,), generator=torch.Generator().manual_seed(3))
+    tm = torch.arange(cfg.vocab_size) % cfg.engram_compressed_vocab_size
+    taps: dict = {}
+    logits = ref.spec_forward(cfg, W, ids, tm, fake_quant=True, taps=taps)
+    assert logits.shape == (Sb, cfg.vocab_size) and torch.isfinite(logits).all()
+    ids2 = ids.clone()
+    ids2[50] = (ids[50] + 3) % cfg.vocab_size
+    logits2 = ref.spec_forward(cfg, W, ids2, tm, fake_quant=True)
+    torch.testing.assert_close(logits2[:50], logits[:50], rtol=0, atol=1e-12)
+    m = cfg.compress_ratios[cfg.candidate_source_layer]
+    N = ref.visible_counts(Sb, m)
+    vis = torch.arange(Sb // m)[None, :] < N[:, None]
+    cand = taps[f"L{cfg.candidate_source_layer}.candidates"] & vis
+    assert torch.equal((cand != vis).any(-1), N > cfg.candidate_topk_blocks * cfg.candidate_block_size)
+    for t, picks in enumerate(taps["L6.topk"]):
+        assert len(picks) == min(cfg.index_topk, int(cand[t].sum())) and all(bool(cand[t, j]) for j in picks)
+    for layer in range(cfg.n_layers):
+        if cfg.compress_ratios[layer]:
+            mm = cfg.compress_ratios[layer]
+            assert all(j < (t + 1) // mm for t, picks in enumerate(taps[f"L{layer}.topk"]) for j in picks)
