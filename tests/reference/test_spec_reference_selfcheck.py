@@ -17,6 +17,16 @@ from tests.reference import v41_spec_f64 as ref
 S = 160  # spec §15: window truncation, top-k truncation, candidate filter and YaRN all engage
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """Tiny float64 ops gain nothing from intra-op threads; on a loaded 2-core CI box OpenMP spinning made this
+    module 10x slower (50 s vs 3 s). Restored after the module."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="module")
 def cfg():
     return preset("tiny-v41", dtype="float32", fake_quant=False)
@@ -580,3 +590,21 @@ def test_second_shape_tiny_v41_b():
         if cfg.compress_ratios[layer]:
             mm = cfg.compress_ratios[layer]
             assert all(j < (t + 1) // mm for t, picks in enumerate(taps[f"L{layer}.topk"]) for j in picks)
+
+
+@pytest.mark.parametrize("layer,src", [(1, None), (3, 2), (8, 6)])
+def test_attention_key_set_per_query(cfg, W, run, layer, src):
+    """Recompute o for a few queries with an explicit per-query key list: window rows max(0, t-W+1)..t, then the
+    chosen compressed rows of the source layer's cache (duplicates kept)."""
+    _, taps = run[True]
+    q, kv = taps[f"L{layer}.q"], taps[f"L{layer}.window_kv"]
+    sink = W[f"layers.{layer}.attn.attn_sink"]
+    for t in (0, 5, 15, 16, 17, 63, 64, 159):
+        rows = [kv[i] for i in range(max(0, t - cfg.window_size + 1), t + 1)]
+        if src is not None:
+            ckv = taps[f"L{src}.compressed_kv"]
+            rows += [ckv[j] for j in taps[f"L{layer}.topk"][t]]
+        keys = torch.stack(rows)
+        s = torch.einsum("hd,kd->hk", q[t], keys) * cfg.head_dim ** -0.5
+        p = torch.exp(s) / (torch.exp(s).sum(-1, keepdim=True) + torch.exp(sink)[:, None])
+        torch.testing.assert_close(taps[f"L{layer}.attn_o"][t], p @ keys, rtol=1e-12, atol=1e-13)

@@ -24,7 +24,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 F64 = torch.float64
 NEG_INF = float("-inf")
@@ -519,7 +518,9 @@ def indexer_scores(qI: torch.Tensor, wt: torch.Tensor, kI: torch.Tensor, m: int)
 def candidate_mask(I: torch.Tensor, m: int, block_size: int, topk_blocks: int) -> torch.Tensor:
     """§8 candidate pre-filter (candidate source layer, on its own scores). I [S, E] (-inf = invisible) -> [S, E]
     bool. Pad to a multiple of block_size with -inf; block score = max; force the newest (partly filled) block
-    ⌊(N_t-1)/B⌋ to +inf; keep the top `topk_blocks` blocks, dropping picks scored -inf."""
+    ⌊(N_t-1)/B⌋ to +inf; keep the top `topk_blocks` blocks, dropping picks scored -inf. Block-granular as in
+    the spec: mask[t, j] = "j lies in a kept block", so invisible entries of the kept newest block are True too
+    (harmless, their score is already -inf); compare `mask & visible`. Block ties: lower block index wins."""
     S, E = I.shape
     nb = -(-E // block_size)
     Ip = torch.full((S, nb * block_size), NEG_INF, dtype=I.dtype)
