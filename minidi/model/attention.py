@@ -12,7 +12,7 @@ from torch import nn
 
 from .compressor import CompressorV4, CompressorV41
 from .config import ModelConfig
-from .context import ForwardContext, SharedSlots
+from .context import ModelCache, RatioMeta, SharedSlots, StepMeta
 from .indexer import IndexerV4, IndexerV41, candidate_mask, indexer_topk_naive
 from .layers import FP8Linear, RMSNorm, apply_rope, rms_norm, rope_cos_sin, rope_inv_freq, weight_param
 from .quant import fq4_e4m3, fq8
@@ -55,64 +55,85 @@ class Attention(nn.Module):
         nope = self.cfg.nope_head_dim
         return torch.cat([fq8(kv[..., :nope], 64), kv[..., nope:]], dim=-1)
 
-    def forward(self, x: torch.Tensor, ctx: ForwardContext, shared: SharedSlots) -> torch.Tensor:
-        """x [T, D] (attn-normed) -> [T, D]."""
-        cfg = self.cfg
+    def forward(self, x: torch.Tensor, meta: StepMeta, cache: ModelCache, shared: SharedSlots) -> torch.Tensor:
+        """x [T, D] (attn-normed) -> [T, D]. Reads and updates this layer's cache rows."""
+        cfg, layer = self.cfg, self.layer_id
         t = x.shape[0]
-        cos, sin = rope_cos_sin(ctx.positions, self.inv_freq)
+        cos, sin = rope_cos_sin(meta.positions, self.inv_freq)
         q_lat = self.q_norm(self.wq_a(x))  # [T, q_lora]; also the indexer's query latent
         q = self.wq_b(q_lat).view(t, cfg.n_heads, cfg.head_dim)  # [T, H, d]
         if not cfg.is_v41:
             q = rms_norm(q, None, cfg.norm_eps)  # V4: per-head unweighted RMSNorm
         q = apply_rope(q, cos, sin)
         kv = self._quant_kv(apply_rope(self.kv_norm(self.wkv(x)), cos, sin))  # [T, d]: key = value, one head
+        window = _with_pool(cache.window.get(layer), kv)  # [Rw + T, d]: cached ring rows, then this step's
 
         comp_kv, comp_idx = None, None
         if self.ratio > 0:
-            comp_kv, comp_idx = (self._compressed_v41 if cfg.is_v41 else self._compressed_v4)(
-                x, q_lat, cos, sin, ctx, shared
-            )
-        o = sparse_attention_naive(q, kv, ctx.window_idx, comp_kv, comp_idx, self.attn_sink, cfg.head_dim**-0.5)
+            compressed = self._compressed_v41 if cfg.is_v41 else self._compressed_v4
+            comp_kv, comp_idx = compressed(x, q_lat, cos, sin, meta, cache, shared)
+        o = sparse_attention_naive(q, window, meta.window_idx, comp_kv, comp_idx, self.attn_sink, cfg.head_dim**-0.5)
+        if layer in cache.window:
+            cache.window[layer].index_copy_(0, meta.window_dst, window[meta.window_src])
         o = apply_rope(o, cos, sin, inverse=True).view(t, cfg.o_groups, -1)  # [T, G, H*d/G]
         wo_a = self.wo_a.dequant(o.dtype).view(cfg.o_groups, cfg.o_lora_rank, -1)  # [G, o_lora, H*d/G]
         a = torch.einsum("tgi,goi->tgo", o, wo_a).flatten(1)  # [T, G*o_lora]
         return self.wo_b(a)
 
-    def _compressed_entries(self, x: torch.Tensor, positions: torch.Tensor):
-        """Run this layer's compressor: -> (latent [N, dc], rotated + fake-quantised rows [N, dc], cos, sin)."""
-        latent, pos = self.compressor(x, positions)
-        ccos, csin = rope_cos_sin(pos, self.inv_freq)
+    def _new_entries(self, x: torch.Tensor, rm: RatioMeta, cache: ModelCache):
+        """Run this layer's compressor on the step: -> (latent [Nn, dc], rotated + fake-quantised rows, cos, sin)."""
+        latent = self.compressor(x, rm, cache.pending.get(f"L{self.layer_id}"))
+        ccos, csin = rope_cos_sin(rm.entry_pos, self.inv_freq)
         rows = apply_rope(latent, ccos, csin)
         if self.cfg.fake_quant:
             rows = fq4_e4m3(rows, 16) if self.cfg.is_v41 else self._quant_kv(rows)
         return latent, rows, ccos, csin
 
-    def _compressed_v41(self, x, q_lat, cos, sin, ctx: ForwardContext, shared: SharedSlots):
+    def _compressed_v41(self, x, q_lat, cos, sin, meta: StepMeta, cache: ModelCache, shared: SharedSlots):
         cfg, layer = self.cfg, self.layer_id
         if cfg.is_kv_source(layer):
-            latent, rows, ccos, csin = self._compressed_entries(x, ctx.positions)
-            shared.comp_kv, shared.ratio = rows, self.ratio
+            rm = meta.ratios[self.ratio]
+            latent, rows, ccos, csin = self._new_entries(x, rm, cache)
+            shared.comp_kv, shared.ratio = compressed_view(cache.comp.get(layer), rows, rm), self.ratio
             if cfg.owns_index_keys(layer):
-                shared.index_k = self.indexer.keys(latent, ccos, csin)
+                keys = self.indexer.keys(latent, ccos, csin)
+                shared.index_k = compressed_view(cache.index_k.get(layer), keys, rm)
         if cfg.is_index_source(layer):
-            n_vis = (ctx.positions + 1) // shared.ratio
+            rm = meta.ratios[shared.ratio]
             qi, wi = self.indexer.queries(x, q_lat, cos, sin)
             allowed = shared.candidates if cfg.is_candidate_filtered(layer) else None
-            idx, scores = indexer_topk_naive(qi, shared.index_k, wi, n_vis, cfg.index_topk, allowed)
+            idx, scores = indexer_topk_naive(qi, shared.index_k, wi, rm.k_start, rm.k_end, cfg.index_topk, allowed)
             if layer == cfg.candidate_source_layer:
-                shared.candidates = candidate_mask(scores, n_vis, cfg.candidate_topk_blocks, cfg.candidate_block_size)
+                shared.candidates = candidate_mask(scores, rm.k_start, rm.k_end, cfg.candidate_topk_blocks,
+                                                   cfg.candidate_block_size)
             shared.topk = idx
         return shared.comp_kv, shared.topk
 
-    def _compressed_v4(self, x, q_lat, cos, sin, ctx: ForwardContext, shared: SharedSlots):
-        cfg = self.cfg
-        _, rows, _, _ = self._compressed_entries(x, ctx.positions)
-        n_vis = (ctx.positions + 1) // self.ratio
-        if cfg.has_indexer(self.layer_id):
-            keys = self.indexer.keys(x, ctx.positions, self.inv_freq)
+    def _compressed_v4(self, x, q_lat, cos, sin, meta: StepMeta, cache: ModelCache, shared: SharedSlots):
+        cfg, layer = self.cfg, self.layer_id
+        rm = meta.ratios[self.ratio]
+        _, rows, _, _ = self._new_entries(x, rm, cache)
+        view = compressed_view(cache.comp.get(layer), rows, rm)
+        if cfg.has_indexer(layer):
+            keys = self.indexer.keys(x, rm, cache.pending.get(f"L{layer}.index"), self.inv_freq)
+            keys = compressed_view(cache.index_k.get(layer), keys, rm)
             qi, wi = self.indexer.queries(x, q_lat, cos, sin)
-            idx, _ = indexer_topk_naive(qi, keys, wi, n_vis, cfg.index_topk)
-        else:  # heavily compressed: attend densely to every visible entry
-            j = torch.arange(rows.shape[0], device=x.device)
-            idx = torch.where(j.unsqueeze(0) < n_vis.unsqueeze(1), j.unsqueeze(0), -1)
-        return rows, idx
+            idx, _ = indexer_topk_naive(qi, keys, wi, rm.k_start, rm.k_end, cfg.index_topk)
+        else:  # heavily compressed: attend densely to every visible entry of the query's sequence
+            j = torch.arange(view.shape[0], device=x.device).unsqueeze(0)
+            idx = torch.where((j >= rm.k_start.unsqueeze(1)) & (j < rm.k_end.unsqueeze(1)), j, -1)
+        return view, idx
+
+
+def _with_pool(pool: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
+    return new if pool is None else torch.cat([pool, new.to(pool.dtype)], dim=0)
+
+
+def compressed_view(pool: torch.Tensor | None, new: torch.Tensor, rm: RatioMeta) -> torch.Tensor:
+    """The step's view of compressed rows: rows of cat(pool, new) in each sequence's order ([Nv, w]; padding rows
+    are zero). Writes this step's rows into the pool (in place) for later steps."""
+    rows = _with_pool(pool, new)
+    if pool is not None:
+        pool.index_copy_(0, rm.pool_dst, rows[rm.pool_src])
+    view = rows[rm.view_idx.clamp(min=0)]
+    return torch.where((rm.view_idx >= 0).unsqueeze(-1), view, torch.zeros_like(view))

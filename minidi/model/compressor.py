@@ -1,8 +1,10 @@
 """KV compressors: pool groups of m tokens into one compressed entry (spec V4.1 §7, V4 §5).
 
-Both return the normalised latent (pre-RoPE, pre-quant) and the position of each entry (its group's first token);
-the caller rotates and fake-quantises (V4.1 owners also derive indexer keys from the latent).
-Legend: T tokens, N = T // m entries, dc latent width.
+A group may straddle steps (chunked prefill, a cached prefix): the fp32 K|G rows of tokens whose group is not yet
+complete stay in a *pending* pool, and ``RatioMeta.group_idx`` picks each new entry's m rows from
+``cat(pending, this step's K|G)``. Both compressors return the normalised latent (pre-RoPE, pre-quant) of the
+entries completed in this step; the caller rotates and fake-quantises them.
+Legend: T new tokens, Nn new entries, dc latent width, c = 2 halves when V4 windows overlap.
 """
 
 from __future__ import annotations
@@ -12,7 +14,26 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
+from .context import RatioMeta
 from .layers import RMSNorm, weight_param
+
+
+def _proj(cfg: ModelConfig, out: int) -> nn.Module:
+    m = nn.Module()
+    m.weight = weight_param(out, cfg.dim, dtype=torch.bfloat16)
+    return m
+
+
+def gather_groups(
+    kg_new: torch.Tensor, pending: torch.Tensor | None, meta: RatioMeta
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of each new entry from cat(pending, new) [Nn, m, 2w]; then keep the still-incomplete rows pending.
+
+    Returns (groups, all rows); the pending pool is updated in place (rows of incomplete groups)."""
+    rows = kg_new if pending is None else torch.cat([pending, kg_new], dim=0)  # [Rp+T, 2w]
+    if pending is not None:
+        pending.index_copy_(0, meta.pend_dst, rows[meta.pend_src])
+    return rows[meta.group_idx], rows
 
 
 class CompressorV41(nn.Module):
@@ -21,60 +42,53 @@ class CompressorV41(nn.Module):
 
     def __init__(self, cfg: ModelConfig, ratio: int) -> None:
         super().__init__()
-        self.ratio = ratio
-        d = cfg.head_dim
-        self.wkv = nn.Module()
-        self.wkv.weight = weight_param(d, cfg.dim, dtype=torch.bfloat16)
+        self.ratio, self.width = ratio, cfg.head_dim
+        self.wkv = _proj(cfg, cfg.head_dim)
         if ratio == 2:
-            self.wgate = nn.Module()
-            self.wgate.weight = weight_param(d, cfg.dim, dtype=torch.bfloat16)
-        self.norm = RMSNorm(d, cfg.norm_eps)
+            self.wgate = _proj(cfg, cfg.head_dim)
+        self.norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, D] -> latent [N, dc] (activation dtype), entry positions [N]."""
-        m = self.ratio
-        n = x.shape[0] // m
-        if m == 1:
-            return self.norm(F.linear(x, self.wkv.weight.to(x.dtype))), positions
-        xg = x[: n * m].float()
-        width = self.wkv.weight.shape[0]
-        k = (xg @ self.wkv.weight.float().t()).view(n, m, width)  # [N, m, dc] fp32
-        g = (xg @ self.wgate.weight.float().t()).view(n, m, width)
-        pooled = (torch.softmax(g, dim=1) * k).sum(dim=1)  # [N, dc]
-        return self.norm(pooled.to(x.dtype)), positions[: n * m : m]
+    def forward(self, x: torch.Tensor, meta: RatioMeta, pending: torch.Tensor | None) -> torch.Tensor:
+        """x [T, D] -> latent [Nn, dc] (activation dtype)."""
+        if self.ratio == 1:
+            return self.norm(F.linear(x, self.wkv.weight.to(x.dtype)))[meta.group_idx[:, 0]]
+        xf = x.float()
+        kg = torch.cat([xf @ self.wkv.weight.float().t(), xf @ self.wgate.weight.float().t()], dim=-1)  # [T, 2w]
+        groups, _ = gather_groups(kg, pending, meta)  # [Nn, m, 2w]
+        k, g = groups[..., : self.width], groups[..., self.width :]
+        pooled = (torch.softmax(g, dim=1) * k).sum(dim=1)  # [Nn, dc]
+        return self.norm(pooled.to(x.dtype))
 
 
 class CompressorV4(nn.Module):
-    """V4: softmax pooling with a learned per-slot bias ``ape``; ratio 4 overlaps windows (c = 2 halves),
-    other ratios pool one window (c = 1). Used for the attention KV (dc = head_dim) and the indexer keys (dc = 128)."""
+    """V4: softmax pooling with a learned per-slot bias ``ape``; ratio 4 overlaps windows (c = 2 halves: entry w
+    pools the A-half of window w-1 and the B-half of window w), other ratios pool one window (c = 1).
+    Used for the attention KV (dc = head_dim) and the indexer keys (dc = index_head_dim)."""
 
     def __init__(self, cfg: ModelConfig, ratio: int, dc: int) -> None:
         super().__init__()
         self.ratio, self.dc = ratio, dc
         self.overlap = ratio == 4
-        c = 2 if self.overlap else 1
-        self.wkv = nn.Module()
-        self.wkv.weight = weight_param(c * dc, cfg.dim, dtype=torch.bfloat16)
-        self.wgate = nn.Module()
-        self.wgate.weight = weight_param(c * dc, cfg.dim, dtype=torch.bfloat16)
-        self.ape = weight_param(ratio, c * dc, dtype=torch.float32)
+        self.width = (2 if self.overlap else 1) * dc
+        self.wkv = _proj(cfg, self.width)
+        self.wgate = _proj(cfg, self.width)
+        self.ape = weight_param(ratio, self.width, dtype=torch.float32)
         self.norm = RMSNorm(dc, cfg.norm_eps)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, D] -> latent [N, dc] (activation dtype), entry positions [N]."""
-        m, dc = self.ratio, self.dc
-        n = x.shape[0] // m
-        xg = x[: n * m].float()
-        width = self.wkv.weight.shape[0]
-        k = (xg @ self.wkv.weight.float().t()).view(n, m, width)  # [N, m, c*dc]
-        g = (xg @ self.wgate.weight.float().t()).view(n, m, width) + self.ape.float()
+    def forward(self, x: torch.Tensor, meta: RatioMeta, pending: torch.Tensor | None) -> torch.Tensor:
+        """x [T, D] -> latent [Nn, dc] (activation dtype)."""
+        w, dc = self.width, self.dc
+        xf = x.float()
+        kg = torch.cat([xf @ self.wkv.weight.float().t(), xf @ self.wgate.weight.float().t()], dim=-1)  # [T, 2w]
+        groups, rows = gather_groups(kg, pending, meta)  # [Nn, m, 2w]
+        ape = self.ape.float()
+        k, g = groups[..., :w], groups[..., w:] + ape  # slot j of every window gets ape[j]
         if self.overlap:
-            # entry w pools slots 0..m-1 = A-half of window w-1 and slots m..2m-1 = B-half of window w
-            ka, kb = k[..., :dc], k[..., dc:]
-            ga, gb = g[..., :dc], g[..., dc:]
-            ka_prev = torch.cat([torch.zeros_like(ka[:1]), ka[:-1]], dim=0)
-            ga_prev = torch.cat([torch.full_like(ga[:1], float("-inf")), ga[:-1]], dim=0)
-            k = torch.cat([ka_prev, kb], dim=1)  # [N, 2m, dc]
-            g = torch.cat([ga_prev, gb], dim=1)
-        pooled = (torch.softmax(g, dim=1) * k).sum(dim=1)  # [N, dc]
-        return self.norm(pooled.to(x.dtype)), positions[: n * m : m]
+            prev = rows[meta.prev_idx.clamp(min=0)]  # [Nn, m, 2w]: window w-1
+            has_prev = (meta.prev_idx >= 0).unsqueeze(-1)
+            k_prev = torch.where(has_prev, prev[..., :dc], torch.zeros_like(prev[..., :dc]))
+            g_prev = torch.where(has_prev, prev[..., w : w + dc] + ape[:, :dc], float("-inf"))
+            k = torch.cat([k_prev, k[..., dc:]], dim=1)  # [Nn, 2m, dc]
+            g = torch.cat([g_prev, g[..., dc:]], dim=1)
+        pooled = (torch.softmax(g, dim=1) * k).sum(dim=1)  # [Nn, dc]
+        return self.norm(pooled.to(x.dtype))

@@ -211,8 +211,24 @@ def engram_hash_ids(
     S = comp_ids.shape[0]
     pos = torch.arange(S, device=comp_ids.device) + hist.shape[0]  # index of position t in ext
     src = pos[:, None] - torch.arange(K, device=comp_ids.device)  # [S, K] index of t-s
-    c = ext[src.clamp_min(0)]  # [S, K]
-    ok = (src >= 0) & (c != DEAD)
+    return hash_shifted(ext[src.clamp_min(0)], src >= 0, t, pad_comp_id)
+
+
+def engram_hash_ids_packed(
+    comp_ext: torch.Tensor, src: torch.Tensor, tables: EngramTables, pad_comp_id: int | torch.Tensor
+) -> torch.Tensor:
+    """Packed-batch form: ``comp_ext`` [H+T] compressed ids (cached history rows, then the new tokens) and
+    ``src`` [T, K] the row of position t-s for shift s (-1 = before the sequence start), built on the host.
+    Returns [T, (K-1)*H] like ``engram_hash_ids``."""
+    return hash_shifted(comp_ext[src.clamp_min(0)], src >= 0, tables, pad_comp_id)
+
+
+def hash_shifted(
+    c: torch.Tensor, inside: torch.Tensor, t: EngramTables, pad_comp_id: int | torch.Tensor
+) -> torch.Tensor:
+    """c [S, K] compressed ids of positions t-s, inside [S, K] whether t-s is in the sequence -> ids [S, (K-1)*H]."""
+    K = c.shape[1]
+    ok = inside & (c != DEAD)
     # Once shift s falls before the start or hits a DEAD, shifts >= s are padded too: cumulative AND over s.
     valid = torch.cumprod(ok.long(), dim=1).bool()
     c = torch.where(valid, c, pad_comp_id)

@@ -11,6 +11,7 @@ from torch import nn
 
 from .compressor import CompressorV4
 from .config import ModelConfig
+from .context import RatioMeta
 from .layers import FP8Linear, Linear, RMSNorm, apply_rope, rope_cos_sin
 from .quant import fq4_ue8m0, hadamard
 
@@ -19,38 +20,43 @@ def indexer_topk_naive(
     q: torch.Tensor,
     k: torch.Tensor,
     w: torch.Tensor,
-    n_visible: torch.Tensor,
+    k_start: torch.Tensor,
+    k_end: torch.Tensor,
     topk: int,
     allowed: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """**Pass target B** (indexer score + top-k).
 
-    score[t, j] = sum_h w[t, h] * relu(q[t, h] . k[j]);  -inf where j >= n_visible[t] (or outside ``allowed``).
-    q [T, Hi, di], k [N, di], w [T, Hi], n_visible [T] int, allowed [T, N] bool or None.
+    score[t, j] = sum_h w[t, h] * relu(q[t, h] . k[j]);  -inf unless k_start[t] <= j < k_end[t] (and ``allowed``).
+    q [T, Hi, di], k [N, di] (the step's view of compressed entries; a query's own sequence occupies
+    [k_start, k_start + its entry count)), w [T, Hi], k_start/k_end [T] int, allowed [T, N] bool or None.
     The score runs in the activation dtype, as the official indexer (bf16 einsum, relu*weights and head sum).
-    Returns (idx [T, min(topk, N)] int64 with -1 for picks that are not visible, scores [T, N]).
+    Returns (idx [T, min(topk, N)] int64, -1 for picks outside the visible range, scores [T, N]).
     """
     scores = torch.einsum("thd,nd->thn", q, k.to(q.dtype))  # [T, Hi, N]
     scores = (scores.relu() * w.to(q.dtype).unsqueeze(-1)).sum(dim=1)  # [T, N]
-    j = torch.arange(k.shape[0], device=q.device)
-    visible = j.unsqueeze(0) < n_visible.unsqueeze(1)  # [T, N]
-    scores = scores.masked_fill(~visible, float("-inf"))
+    j = torch.arange(k.shape[0], device=q.device).unsqueeze(0)
+    lo, hi = k_start.unsqueeze(1), k_end.unsqueeze(1)
+    scores = scores.masked_fill((j < lo) | (j >= hi), float("-inf"))
     if allowed is not None:
         scores = scores.masked_fill(~allowed, float("-inf"))
     idx = scores.topk(min(topk, k.shape[0]), dim=-1).indices
-    idx = torch.where(idx < n_visible.unsqueeze(1), idx, -1)
+    idx = torch.where((idx >= lo) & (idx < hi), idx, -1)
     return idx, scores
 
 
-def candidate_mask(scores: torch.Tensor, n_visible: torch.Tensor, keep_blocks: int, block: int) -> torch.Tensor:
+def candidate_mask(
+    scores: torch.Tensor, k_start: torch.Tensor, k_end: torch.Tensor, keep_blocks: int, block: int
+) -> torch.Tensor:
     """V4.1 pre-filter (candidate source layer): keep the ``keep_blocks`` blocks of ``block`` entries with the
     highest max score, always keeping the newest (partly filled) visible block; picks scored -inf are dropped.
+    Blocks count from each sequence's first entry (its view segment starts at a multiple of ``block``).
     scores [T, N] -> mask [T, N] bool."""
     t, n = scores.shape
     pad = -n % block
     bs = F.pad(scores.float(), (0, pad), value=float("-inf")).view(t, (n + pad) // block, block).amax(-1)  # [T, NB]
-    newest = ((n_visible - 1).clamp(min=0) // block).unsqueeze(1)  # [T, 1]
-    force = torch.zeros_like(bs, dtype=torch.bool).scatter(1, newest, (n_visible > 0).unsqueeze(1))
+    newest = ((k_end - 1).clamp(min=0) // block).unsqueeze(1)  # [T, 1]
+    force = torch.zeros_like(bs, dtype=torch.bool).scatter(1, newest, (k_end > k_start).unsqueeze(1))
     bs = bs.masked_fill(force, float("inf"))
     vals, blocks = bs.topk(min(keep_blocks, bs.shape[1]), dim=-1)
     keep = torch.zeros_like(bs, dtype=torch.bool).scatter(1, blocks, vals > float("-inf"))
@@ -101,10 +107,10 @@ class IndexerV4(nn.Module):
     def _quant(self, x: torch.Tensor) -> torch.Tensor:
         return fq4_ue8m0(hadamard(x), 32) if self.cfg.fake_quant else x
 
-    def keys(self, x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
-        latent, pos = self.compressor(x, positions)
-        cos, sin = rope_cos_sin(pos, inv_freq)
-        return self._quant(apply_rope(latent, cos, sin))
+    def keys(self, x: torch.Tensor, meta: RatioMeta, pending: torch.Tensor | None, inv_freq: torch.Tensor):
+        """New indexer keys [Nn, di] from this layer's own ratio-4 compressor (RoPE at the entry position)."""
+        cos, sin = rope_cos_sin(meta.entry_pos, inv_freq)
+        return self._quant(apply_rope(self.compressor(x, meta, pending), cos, sin))
 
     def queries(self, x: torch.Tensor, q_lat: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         q = self.wq_b(q_lat).unflatten(-1, (self.n_heads, self.head_dim))

@@ -12,9 +12,9 @@ from torch import nn
 
 from .attention import Attention
 from .config import ModelConfig
-from .context import ForwardContext, SharedSlots
+from .context import ModelCache, SharedSlots, StepMeta
 from .engram import Engram
-from .engram_hash import EngramTables, engram_hash_ids, engram_tables, test_token_map
+from .engram_hash import EngramTables, engram_hash_ids_packed, engram_tables, test_token_map
 from .hyper_connections import hc_collapse, hc_expand, hc_head, hc_mixer
 from .layers import RMSNorm, weight_param
 from .moe import MoE
@@ -41,22 +41,23 @@ class Block(nn.Module):
         return hc_mixer(x, getattr(self, f"hc_{site}_fn"), getattr(self, f"hc_{site}_base"),
                         getattr(self, f"hc_{site}_scale"), c.hc_sinkhorn_iters, c.hc_eps, c.norm_eps)
 
-    def forward(self, x: torch.Tensor, pre: torch.Tensor | None, ctx: ForwardContext, shared: SharedSlots):
+    def forward(self, x: torch.Tensor, pre: torch.Tensor | None, meta: StepMeta, cache: ModelCache,
+                shared: SharedSlots, engram_ids: dict[int, torch.Tensor]):
         """x [T, n, D] streams. V4.1 (single pass): ``pre`` comes from the previous site and the one computed here
         collapses the next site's input; V4: every site uses its own ``pre``. Returns (streams, pre for next)."""
         if self.cfg.is_v41:
             if hasattr(self, "engram"):
-                x = self.engram(x, ctx.engram_ids[self.layer_id])
+                x = self.engram(x, engram_ids[self.layer_id])
             pre_a, post, comb = self._mix("attn", x)
-            h = self.attn(self.attn_norm(hc_collapse(x, pre)), ctx, shared)
+            h = self.attn(self.attn_norm(hc_collapse(x, pre)), meta, cache, shared)
             x = hc_expand(x, h, post, comb)
             pre_f, post, comb = self._mix("ffn", x)
-            h = self.ffn(self.ffn_norm(hc_collapse(x, pre_a)), ctx.input_ids)
+            h = self.ffn(self.ffn_norm(hc_collapse(x, pre_a)), meta.input_ids)
             return hc_expand(x, h, post, comb), pre_f
         pre_a, post, comb = self._mix("attn", x)
-        x = hc_expand(x, self.attn(self.attn_norm(hc_collapse(x, pre_a)), ctx, shared), post, comb)
+        x = hc_expand(x, self.attn(self.attn_norm(hc_collapse(x, pre_a)), meta, cache, shared), post, comb)
         pre_f, post, comb = self._mix("ffn", x)
-        return hc_expand(x, self.ffn(self.ffn_norm(hc_collapse(x, pre_f)), ctx.input_ids), post, comb), None
+        return hc_expand(x, self.ffn(self.ffn_norm(hc_collapse(x, pre_f)), meta.input_ids), post, comb), None
 
 
 class Transformer(nn.Module):
@@ -109,36 +110,46 @@ class Transformer(nn.Module):
                 module.reset_buffers()
         self.to(device)
 
-    def engram_ids(self, input_ids: torch.Tensor) -> dict[int, torch.Tensor]:
+    def engram_ids(self, meta: StepMeta) -> dict[int, torch.Tensor]:
         cfg = self.cfg
-        comp = self.engram_token_map[input_ids]
+        comp = self.engram_token_map[meta.engram_tokens]
         pad = self.engram_token_map[cfg.engram_pad_id]
         out = {}
         for layer in cfg.engram_layers:
             t = EngramTables(*(getattr(self, f"engram_{n}_{layer}") for n in EngramTables._fields))
-            out[layer] = engram_hash_ids(comp, layer, cfg, {layer: t}, pad)
+            out[layer] = engram_hash_ids_packed(comp, meta.engram_src, t, pad)
         return out
+
+    @property
+    def ratios(self) -> tuple[int, ...]:
+        return tuple(sorted(set(self.cfg.compress_ratios) - {0}))
 
     # ---- forward -----------------------------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The plain reference forward: one sequence from position 0, nothing cached -> logits [S, V] (fp32)."""
         cfg = self.cfg
         if input_ids.dim() == 2 and input_ids.shape[0] == 1:
             input_ids = input_ids[0]
         if input_ids.dim() != 1 or input_ids.numel() == 0:
             raise ValueError(f"input_ids must be a non-empty 1-D sequence, got shape {tuple(input_ids.shape)}")
-        if not torch.compiler.is_compiling():  # the compiled runtime validates requests before the step
-            bad = (input_ids < 0) | (input_ids >= cfg.vocab_size)
-            if bad.any():
-                pos = int(bad.nonzero()[0, 0])
-                raise ValueError(f"token id {int(input_ids[pos])} at position {pos} is outside the vocabulary "
-                                 f"[0, {cfg.vocab_size})")
-            if input_ids.numel() > cfg.max_position_embeddings:
-                raise ValueError(f"sequence of {input_ids.numel()} tokens exceeds max_position_embeddings "
-                                 f"{cfg.max_position_embeddings}")
-        ctx = ForwardContext.for_sequence(input_ids, cfg.window_size)
-        if cfg.engram_layers:
-            ctx.engram_ids = self.engram_ids(input_ids)
-        h = self.embed.weight[input_ids].to(cfg.torch_dtype)  # [T, D]
+        bad = (input_ids < 0) | (input_ids >= cfg.vocab_size)
+        if bad.any():
+            pos = int(bad.nonzero()[0, 0])
+            raise ValueError(f"token id {int(input_ids[pos])} at position {pos} is outside the vocabulary "
+                             f"[0, {cfg.vocab_size})")
+        if input_ids.numel() > cfg.max_position_embeddings:
+            raise ValueError(f"sequence of {input_ids.numel()} tokens exceeds max_position_embeddings "
+                             f"{cfg.max_position_embeddings}")
+        meta = StepMeta.for_sequence(input_ids, cfg.window_size, self.ratios,
+                                     cfg.engram_max_ngram if cfg.engram_layers else 0)
+        return self.step(meta, ModelCache())
+
+    def step(self, meta: StepMeta, cache: ModelCache) -> torch.Tensor:
+        """One step over a packed batch (``meta`` built on the host; ``cache`` updated in place).
+        Returns fp32 logits [L, V] of the rows ``meta.logit_rows``. No host sync, no data-dependent branches."""
+        cfg = self.cfg
+        engram_ids = self.engram_ids(meta) if cfg.engram_layers else {}
+        h = self.embed.weight[meta.input_ids].to(cfg.torch_dtype)  # [T, D]
         x = h.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()  # [T, n, D]: n identical streams
         pre = None
         if cfg.is_v41:  # the first site collapses with a one-hot on stream 0
@@ -146,9 +157,10 @@ class Transformer(nn.Module):
             pre[:, 0] = 1.0
         shared = SharedSlots()
         for layer in self.layers:
-            x, pre = layer(x, pre, ctx, shared)
+            x, pre = layer(x, pre, meta, cache, shared, engram_ids)
+        x = x[meta.logit_rows]
         if cfg.is_v41:
-            y = hc_collapse(x, pre)
+            y = hc_collapse(x, pre[meta.logit_rows])
         else:
             y = hc_head(x, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, cfg.hc_eps, cfg.norm_eps)
         y = self.norm(y)

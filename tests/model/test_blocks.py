@@ -87,7 +87,7 @@ def test_indexer_topk_matches_float64_and_masks_invisible():
     t, hi, di, n = 11, 8, 16, 9
     q, k, w = torch.randn(t, hi, di, generator=g), torch.randn(n, di, generator=g), torch.rand(t, hi, generator=g)
     n_vis = (torch.arange(t) + 1) // 1
-    idx, scores = indexer_topk_naive(q, k, w, n_vis.clamp(max=n), 4)
+    idx, scores = indexer_topk_naive(q, k, w, torch.zeros_like(n_vis), n_vis.clamp(max=n), 4)
     ref = (torch.einsum("thd,nd->thn", q.double(), k.double()).relu() * w.double()[..., None]).sum(1)
     vis = torch.arange(n)[None] < n_vis.clamp(max=n)[:, None]
     assert torch.allclose(scores[vis].double(), ref[vis], atol=1e-5)
@@ -105,7 +105,7 @@ def test_candidate_mask_keeps_best_blocks_and_newest():
     s = torch.full((2, 12), float("-inf"))
     s[0, :9] = torch.tensor([9.0, 0, 0, 0, 1, 1, 1, 1, 0.5])  # n_vis 9: newest block is 2 (entry 8)
     s[1, :3] = torch.tensor([1.0, 2, 3])  # n_vis 3: only block 0 visible
-    m = candidate_mask(s, torch.tensor([9, 3]), keep_blocks=2, block=4)
+    m = candidate_mask(s, torch.zeros(2, dtype=torch.long), torch.tensor([9, 3]), keep_blocks=2, block=4)
     assert m[0].tolist() == [True] * 4 + [False] * 4 + [True] * 4  # block 0 (max 9) + forced newest block 2
     assert m[1].tolist() == [True] * 4 + [False] * 8  # -inf blocks are dropped even though 2 may be kept
 

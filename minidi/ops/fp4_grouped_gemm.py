@@ -1,0 +1,334 @@
+"""Grouped expert GEMM with FP4 (e2m1) + E8M0 weights decoded in the load path: no bf16 expert weights in memory.
+
+Replaces (pass target D, ``minidi.model.moe``)::
+
+    w = dequant_expert_stack(packed, scale, x.dtype)    # [E, N, K] bf16: 4 B written per packed byte read
+    y = grouped_mm(x, w, offs)                          # y[r] = x[r] @ w[e(r)].T for the rows r of expert e
+
+with ``y = fp4_grouped_mm(x, packed, scale, offs)``. FP4 format: element 2i of a row = low nibble of byte i, 2i+1 =
+high nibble; nibble bit 3 = sign, bits 0-2 index the grid {0, .5, 1, 1.5, 2, 3, 4, 6}; one E8M0 scale per 32
+consecutive K elements: byte b -> 2^(b-127), 0 -> 2^-127, 255 -> NaN.
+
+Kernel (persistent; the tile schedule is built on the device from ``offs``, no host sync):
+- Each program loads ``offs`` once (a vector of E_POW2 >= E + 1 entries; entry E is a virtual expert that owns the
+  rows past offs[E-1], which are written as zeros), counts the m-tiles of each expert (cdiv(rows_e, BM)) and their
+  inclusive cumsum, then walks the linear tile ids t = pid, pid + P, ... with t = m_tile * n_tiles + n_tile (n fastest:
+  the programs running at one time share the x rows of an m-tile through L2, and each expert's weight tile is read
+  by all its m-tiles within a short window). Experts with zero rows own no tile and cost nothing.
+- Tile = (up to BM rows of one expert) x (BN output columns). K loop in BK steps: x tile [BM, BK] bf16, packed
+  weights [BN, BK/2] uint8 (half a byte per weight) and scales [BN, BK/32] are loaded (software-pipelined,
+  ``num_stages``); the weights are decoded to bf16 in registers and fed to the tensor cores with fp32 accumulation.
+  ``SWAP``: compute the tile transposed, acc[BN, BM] = W[BN, BK] @ x[BM, BK]^T, so that the decoded weights are the
+  A operand of the Hopper MMA (which may come from registers) and the rows of one expert are its N dimension (>= 8,
+  which suits the small per-expert row counts of EP1); otherwise acc[BM, BN] = x @ W^T.
+- Decode, two implementations: ``SCALED_DOT`` hands the packed bytes and scales to ``tl.dot_scaled`` (Triton's own
+  e2m1 -> bf16 lowering, a few bit ops per value), in fast-math mode; E8M0 255 (NaN) is then restored in the
+  epilogue from the running max of the scale codes of each weight row (max == 255 <=> some scale is NaN). Otherwise
+  a manual decode: the 3 magnitude bits << 9 (| sign << 15) are an fp16 bit pattern equal to value * 2^-14 (code 1
+  lands on the fp16 subnormal 2^-15), widened to fp32, times 2^14 and the fp32 scale (exact), cast to x's dtype
+  (exact in bf16: every product has <= 2 significant bits) and multiplied with ``tl.dot`` (fp32 x: IEEE fp32).
+- Rows past an expert's end are loaded clamped (in bounds, from the next expert) and masked at the store.
+
+FLOPs / minimal bytes, V4.1-Flash (R = 24,576 rows = 4,096 tokens x top-6), w1/w3 (N 2,304, K 5,120) and w2 (N 5,120,
+K 2,304) alike: 2 R N K = 0.580 TFLOP per GEMM (0.74 ms at 785 TFLOP/s). Bytes = E N K / 2 (packed) + E N K / 32
+(scales) + 2 R K (x) + 2 R N (y): EP4 (96 experts x 256 rows) 0.97 GB (0.23 ms at 4.27 TB/s) -> compute-bound;
+EP1 (384 experts x 64 rows) 2.77 GB (0.65 ms) -> weight streaming and compute both near the 0.74 ms floor.
+
+Legend: R rows (sorted by expert), E experts, N output columns, K input columns, BM/BN/BK tile sizes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from ._triton_utils import check_backend, dot, interpreting, triton_can_run
+
+X_DTYPES = (torch.bfloat16, torch.float32)
+PACKED_DTYPES = (torch.int8, torch.uint8)
+SCALE_DTYPES = (torch.float8_e8m0fnu, torch.uint8)
+FP4_BLOCK = 32
+
+
+# ---- reference (oracle and fallback) -------------------------------------------------------------------------------
+def _e8m0_to_float(scale: torch.Tensor) -> torch.Tensor:
+    b = scale.view(torch.uint8).to(torch.int32)
+    bits = torch.where(b == 0, torch.full_like(b, 0x00400000), b << 23)  # 2^-127 is the fp32 subnormal 0x00400000
+    bits = torch.where(b == 255, torch.full_like(b, 0x7FC00000), bits)  # NaN
+    return bits.view(torch.float32)
+
+
+def fp4_dequant_ref(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Plain torch. packed int8 [..., N, K/2] + E8M0 [..., N, K/32] -> ``dtype`` [..., N, K] (exact in fp32)."""
+    g = torch.tensor((0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0), device=packed.device)
+    grid = torch.cat([g, -g])  # [16] value of each 4-bit code
+    b = packed.view(torch.uint8).long()
+    vals = grid[torch.stack([b & 0xF, b >> 4], dim=-1).flatten(-2)]  # [..., N, K]
+    return (vals * _e8m0_to_float(scale).repeat_interleave(FP4_BLOCK, dim=-1)).to(dtype)
+
+
+def fp4_grouped_mm_ref(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor,
+                       offs: torch.Tensor) -> torch.Tensor:
+    """Plain torch, one expert at a time in fp32 (host sync on ``offs``). Same contract as ``fp4_grouped_mm``."""
+    r, n = x.shape[0], w_packed.shape[1]
+    out = torch.zeros(r, n, dtype=torch.float32, device=x.device)
+    start = 0
+    for e, end in enumerate(offs.tolist()):
+        end = max(start, min(end, r))
+        if end > start:
+            w = fp4_dequant_ref(w_packed[e], w_scale[e])  # [N, K] fp32
+            out[start:end] = x[start:end].float() @ w.t()
+        start = end
+    return out.to(x.dtype)
+
+
+# ---- kernel --------------------------------------------------------------------------------------------------------
+@triton.jit
+def _decode_e2m1(p, s, BN: tl.constexpr, BK: tl.constexpr, OUT: tl.constexpr):
+    """packed uint8 [BN, BK/2] + E8M0 codes uint8 [BN, BK/32] -> weights [BN, BK] in ``OUT`` (bf16/fp32), exact."""
+    c = p.to(tl.int32)
+    c = tl.reshape(tl.join(c & 0xF, c >> 4), (BN, BK))  # [BN, BK] codes; element 2i = low nibble
+    h = (((c & 7) << 9) | ((c & 8) << 12)).to(tl.int16).to(tl.float16, bitcast=True)  # value * 2^-14, exact
+    sb = s.to(tl.int32)
+    sbits = tl.where(sb == 0, 0x00400000, tl.where(sb == 255, 0x7FC00000, sb << 23))
+    sf = sbits.to(tl.float32, bitcast=True)  # [BN, BK/32] 2^(b-127), NaN for 255
+    v = tl.reshape(h.to(tl.float32) * 16384.0, (BN, BK // 32, 32)) * sf[:, :, None]
+    return tl.reshape(v, (BN, BK)).to(OUT)
+
+
+@triton.jit
+def _fp4_grouped_mm_kernel(
+        x_ptr, w_ptr, s_ptr, offs_ptr, out_ptr,
+        R, N, K, E, NUM_PROGS,
+        stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_om,
+        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, E_POW2: tl.constexpr,
+        SWAP: tl.constexpr, SCALED_DOT: tl.constexpr, EVEN_K: tl.constexpr, IS_FP32: tl.constexpr,
+        INTERPRET: tl.constexpr):
+    """out[r, n] = sum_k x[r, k] * W[e(r), n, k], W decoded from (w_ptr, s_ptr) in the K loop; see module doc."""
+    pid = tl.program_id(0)
+    # device-side schedule: m-tiles of each expert; entry E = rows past offs[E-1] (written as zeros)
+    ei = tl.arange(0, E_POW2)  # [EP]
+    ends = tl.load(offs_ptr + ei, mask=ei < E, other=R)
+    starts = tl.load(offs_ptr + ei - 1, mask=(ei >= 1) & (ei <= E), other=R)
+    starts = tl.where(ei == 0, 0, starts)
+    ends = tl.minimum(tl.maximum(ends, 0), R)
+    starts = tl.minimum(tl.maximum(starts, 0), R)
+    ntile = (tl.maximum(ends - starts, 0) + BM - 1) // BM  # [EP] m-tiles per expert
+    cum = tl.cumsum(ntile, 0)  # [EP] inclusive
+    first = cum - ntile  # [EP] first tile id of each expert
+    n_tiles = tl.cdiv(N, BN)
+    total = tl.sum(ntile, 0) * n_tiles
+
+    for t in range(pid, total, NUM_PROGS):
+        mt = t // n_tiles
+        nt = t % n_tiles
+        e = tl.sum((cum <= mt).to(tl.int32), 0)  # expert that owns m-tile mt
+        sel = ei == e
+        m0 = tl.sum(tl.where(sel, starts, 0), 0) + (mt - tl.sum(tl.where(sel, first, 0), 0)) * BM
+        m_end = tl.sum(tl.where(sel, ends, 0), 0)
+        rows = m0 + tl.arange(0, BM)  # [BM]
+        cols = nt * BN + tl.arange(0, BN)  # [BN]
+        rows_ld = tl.minimum(rows, R - 1).to(tl.int64)  # clamped: in bounds, masked at the store
+        cols_ld = tl.minimum(cols, N - 1)
+        e_ld = tl.minimum(e, E - 1).to(tl.int64)
+        k_hi = tl.where(e < E, K, 0)  # virtual expert E: no K loop, zeros
+        kx = tl.arange(0, BK)
+        kp = tl.arange(0, BK // 2)
+        ks = tl.arange(0, BK // 32)
+        if SWAP:  # x^T tile [BK, BM] (the B operand), addressed directly rather than through tl.trans
+            x_ptrs = x_ptr + rows_ld[None, :] * stride_xm + kx[:, None]  # [BK, BM]
+        else:
+            x_ptrs = x_ptr + rows_ld[:, None] * stride_xm + kx[None, :]  # [BM, BK]
+        w_ptrs = w_ptr + e_ld * stride_we + cols_ld[:, None] * stride_wn + kp[None, :]  # [BN, BK/2]
+        s_ptrs = s_ptr + e_ld * stride_se + cols_ld[:, None] * stride_sn + ks[None, :]  # [BN, BK/32]
+        if SWAP:
+            acc = tl.zeros((BN, BM), dtype=tl.float32)
+        else:
+            acc = tl.zeros((BM, BN), dtype=tl.float32)
+        smax = tl.zeros((BN,), dtype=tl.int32)
+        for k0 in range(0, k_hi, BK):
+            if EVEN_K:
+                xt = tl.load(x_ptrs)
+                wq = tl.load(w_ptrs)
+                ws = tl.load(s_ptrs)
+            else:
+                if SWAP:
+                    xt = tl.load(x_ptrs, mask=(k0 + kx < K)[:, None], other=0.0)
+                else:
+                    xt = tl.load(x_ptrs, mask=(k0 + kx < K)[None, :], other=0.0)
+                wq = tl.load(w_ptrs, mask=(k0 // 2 + kp < K // 2)[None, :], other=0)
+                ws = tl.load(s_ptrs, mask=(k0 // 32 + ks < K // 32)[None, :], other=127)
+            if SCALED_DOT:  # Triton's e2m1 decode; fast math: NaN scales are restored in the epilogue
+                if SWAP:
+                    acc = tl.dot_scaled(wq, ws, "e2m1", xt, None, "bf16", acc, fast_math=True)
+                else:
+                    acc = tl.dot_scaled(xt, None, "bf16", tl.trans(wq), ws, "e2m1", acc, fast_math=True)
+                smax = tl.maximum(smax, tl.max(ws.to(tl.int32), 1))
+            else:
+                w = _decode_e2m1(wq, ws, BN, BK, x_ptr.dtype.element_ty)  # [BN, BK]
+                if IS_FP32:
+                    if SWAP:
+                        acc = tl.dot(w, xt, acc, input_precision="ieee")
+                    else:
+                        acc = tl.dot(xt, tl.trans(w), acc, input_precision="ieee")
+                else:
+                    if SWAP:
+                        acc = dot(w, xt, acc, INTERPRET)
+                    else:
+                        acc = dot(xt, tl.trans(w), acc, INTERPRET)
+            x_ptrs += BK
+            w_ptrs += BK // 2
+            s_ptrs += BK // 32
+        row_ok = rows < m_end
+        col_ok = cols < N
+        if SWAP:
+            if SCALED_DOT:
+                acc = tl.where((smax == 255)[:, None], float("nan"), acc)
+            y = acc.to(out_ptr.dtype.element_ty)
+            o_ptrs = out_ptr + rows.to(tl.int64)[None, :] * stride_om + cols[:, None]  # [BN, BM]
+            tl.store(o_ptrs, y, mask=row_ok[None, :] & col_ok[:, None])
+        else:
+            if SCALED_DOT:
+                acc = tl.where((smax == 255)[None, :], float("nan"), acc)
+            y = acc.to(out_ptr.dtype.element_ty)
+            o_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :]  # [BM, BN]
+            tl.store(o_ptrs, y, mask=row_ok[:, None] & col_ok[None, :])
+
+
+# ---- configs and launch --------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Fp4GemmConfig:
+    """Tile and schedule of one launch. ``progs_per_sm`` sizes the persistent grid on the GPU (``progs`` overrides)."""
+
+    BM: int = 128
+    BN: int = 128
+    BK: int = 128
+    num_warps: int = 8
+    num_stages: int = 3
+    swap: bool = True
+    scaled_dot: bool = True
+    progs_per_sm: int = 1
+    progs: int | None = None
+
+    def name(self) -> str:
+        kind = ("scaled" if self.scaled_dot else "manual") + ("_swap" if self.swap else "")
+        return f"{kind}_m{self.BM}n{self.BN}k{self.BK}_w{self.num_warps}s{self.num_stages}p{self.progs_per_sm}"
+
+
+def default_config(r: int, e: int, n: int, k: int, dtype: torch.dtype, device: torch.device) -> Fp4GemmConfig:
+    """Heuristic by mean rows per expert (known on the host without a sync: R / E)."""
+    if device.type != "cuda":  # interpreter: small tiles keep the numpy emulation fast
+        return Fp4GemmConfig(BM=32, BN=32, BK=64 if k % 64 == 0 or k > 64 else 32, num_warps=4, num_stages=1,
+                             scaled_dot=dtype == torch.bfloat16, progs=4)
+    if dtype == torch.float32:  # test mode: IEEE fp32 dot, manual decode
+        return Fp4GemmConfig(BM=64, BN=64, BK=32, num_warps=4, num_stages=2, scaled_dot=False)
+    rows = r / max(e, 1)
+    if rows >= 160:
+        return Fp4GemmConfig(BM=128, BN=128, BK=128, num_warps=8, num_stages=3)
+    return Fp4GemmConfig(BM=64, BN=128, BK=128, num_warps=4, num_stages=4)
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def launch(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor, offs: torch.Tensor, out: torch.Tensor,
+           config: Fp4GemmConfig | None = None) -> None:
+    """Checked tensors (unit last-dim strides): x [R, K], w_packed [E, N, K/2], w_scale [E, N, K/32], offs [E] int32,
+    out [R, N] in x's dtype. Writes every row of ``out``."""
+    r, k = x.shape
+    e, n = w_packed.shape[:2]
+    if r == 0 or n == 0:
+        return
+    cfg = config or default_config(r, e, n, k, x.dtype, x.device)
+    if cfg.scaled_dot and x.dtype != torch.bfloat16:
+        raise ValueError(f"fp4_grouped_mm: config {cfg.name()} (tl.dot_scaled) needs bf16 x, got {x.dtype}")
+    if cfg.BK % 32 or cfg.BK < 32:
+        raise ValueError(f"fp4_grouped_mm: BK must be a multiple of 32, got {cfg.BK}")
+    n_tiles = triton.cdiv(n, cfg.BN)
+    max_tiles = (r // cfg.BM + e + 1) * n_tiles  # bound on sum_e cdiv(rows_e, BM), incl. the virtual expert
+    if cfg.progs is not None:
+        progs = cfg.progs
+    elif x.is_cuda:
+        progs = _num_sms(x.device.index or 0) * cfg.progs_per_sm
+    else:
+        progs = 4
+    progs = max(1, min(progs, max_tiles))
+    _fp4_grouped_mm_kernel[(progs,)](
+        x, w_packed.view(torch.uint8), w_scale.view(torch.uint8), offs, out,
+        r, n, k, e, progs,
+        x.stride(0), w_packed.stride(0), w_packed.stride(1), w_scale.stride(0), w_scale.stride(1), out.stride(0),
+        BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, E_POW2=triton.next_power_of_2(e + 1),
+        SWAP=cfg.swap, SCALED_DOT=cfg.scaled_dot, EVEN_K=k % cfg.BK == 0, IS_FP32=x.dtype == torch.float32,
+        INTERPRET=interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+def _check(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor, offs: torch.Tensor) -> None:
+    def fail(what: str) -> None:
+        raise ValueError(f"fp4_grouped_mm: {what}")
+
+    if x.dim() != 2 or x.dtype not in X_DTYPES:
+        fail(f"x must be [R, K] with dtype in {X_DTYPES}, got {tuple(x.shape)} {x.dtype}")
+    r, k = x.shape
+    if k % FP4_BLOCK:
+        fail(f"x: K = {k} must be a multiple of {FP4_BLOCK} (one E8M0 scale per 32 values)")
+    if w_packed.dim() != 3 or w_packed.dtype not in PACKED_DTYPES:
+        fail(f"w_packed must be [E, N, K/2] int8, got {tuple(w_packed.shape)} {w_packed.dtype}")
+    e, n = w_packed.shape[:2]
+    if w_packed.shape[2] * 2 != k:
+        fail(f"w_packed must be [E, N, K/2] = [{e}, {n}, {k // 2}] for x with K = {k}, got {tuple(w_packed.shape)}")
+    if w_scale.dtype not in SCALE_DTYPES or tuple(w_scale.shape) != (e, n, k // FP4_BLOCK):
+        fail(f"w_scale must be [E, N, K/32] = [{e}, {n}, {k // FP4_BLOCK}] float8_e8m0fnu, got "
+             f"{tuple(w_scale.shape)} {w_scale.dtype}")
+    if offs.dim() != 1 or offs.dtype != torch.int32 or offs.shape[0] != e:
+        fail(f"offs must be [E] = [{e}] int32 (cumulative row ends), got {tuple(offs.shape)} {offs.dtype}")
+    if e == 0:
+        fail("w_packed has no experts (E = 0)")
+    devs = {t.device for t in (x, w_packed, w_scale, offs)}
+    if len(devs) != 1:
+        fail(f"x, w_packed, w_scale and offs must be on one device, got {sorted(map(str, devs))}")
+    if n * (k // 2) >= 2**31:
+        fail(f"one expert's packed weights must hold < 2^31 bytes, got N = {n}, K = {k}")
+
+
+def _unit_last(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+# ---- custom op -----------------------------------------------------------------------------------------------------
+@torch.library.custom_op("minidi::fp4_grouped_mm", mutates_args=())
+def _fp4_grouped_mm_op(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor,
+                       offs: torch.Tensor) -> torch.Tensor:
+    if not triton_can_run(x, w_packed, w_scale, offs):
+        raise RuntimeError(f"minidi::fp4_grouped_mm: Triton needs CUDA tensors, or CPU tensors with "
+                           f"TRITON_INTERPRET=1 (got {x.device}); use backend='ref'")
+    x, w_packed, w_scale = _unit_last(x), _unit_last(w_packed), _unit_last(w_scale)
+    out = torch.empty(x.shape[0], w_packed.shape[1], dtype=x.dtype, device=x.device)
+    launch(x, w_packed, w_scale, offs.contiguous(), out)
+    return out
+
+
+@_fp4_grouped_mm_op.register_fake
+def _(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], w_packed.shape[1])
+
+
+def fp4_grouped_mm(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor, offs: torch.Tensor,
+                   backend: str = "triton") -> torch.Tensor:
+    """Grouped GEMM over experts with FP4 weights decoded in the kernel's load path.
+
+    x [R, K] bf16 | fp32, rows sorted by expert; w_packed [E, N, K/2] int8 (two e2m1 codes per byte, element 2i in
+    the low nibble); w_scale [E, N, K/32] float8_e8m0fnu; offs [E] int32, cumulative row ends (non-decreasing,
+    offs[-1] <= R; rows >= offs[-1] come out as zeros). Returns y [R, N] in x's dtype,
+    y[r] = x[r] @ dequant(w)[e(r)].T with fp32 accumulation. ``backend``: "triton" or "ref" (plain torch).
+    """
+    check_backend(backend)
+    _check(x, w_packed, w_scale, offs)
+    if backend == "ref":
+        return fp4_grouped_mm_ref(x, w_packed, w_scale, offs)
+    return _fp4_grouped_mm_op(x, w_packed, w_scale, offs)

@@ -1,0 +1,405 @@
+"""Lightning-indexer scores, fused: score[t, j] = sum_h w[t, h] * relu(q[t, h, :] . k[j, :]) (pass target B).
+
+Legend: T queries, N keys (compressed entries), H index heads, D index head dim, C candidate blocks per query,
+B candidate block size, QB queries per tile, BN keys per tile.
+
+Kernel (dense): one program owns QB queries (QB*H rows of the MMA, query-major, head-minor) and a contiguous range
+of key blocks. q [QB*H, D] is loaded once; per key block the tensor cores compute k_blk [BN, D] @ q^T [D, QB*H]
+-> [BN, QB*H] in fp32, and the epilogue (relu, * w, sum over the H columns of each query: in-thread adds plus two
+quad shuffles in the wgmma layout) runs in registers; only [QB, BN] scores are written. Key blocks outside the union
+of the block's visible ranges [k_start, k_end) are not computed (-inf is written), so a block of queries of one
+sequence loops over exactly its keys; a block that straddles sequences computes the union and masks per query.
+Programs are ordered query-block-fastest so those in flight share one key range in L2.
+
+Score dtype: fp32 by default (see docs/ops/indexer.md): fp32 accumulation of exact bf16 products, no intermediate
+rounding; bf16 output is available (``out_dtype``) but quantises scores to 8 bits, which turns the top-k threshold
+into ~10-way ties at n = 131,072.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._triton_utils import check_backend, dot, interpreting, triton_can_run
+from .topk import _launch_topk, topk_indices_ref
+
+_QK_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+# ----------------------------------------------------------------------------------------------------------- kernels
+@triton.jit
+def _mma(a, b, acc, IEEE: tl.constexpr, INTERPRET: tl.constexpr):
+    """acc += a @ b; fp32 operands use exact fp32 (not tf32) products, 16-bit ones the bf16/fp16 tensor cores."""
+    if IEEE:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    return dot(a, b, acc, INTERPRET)
+
+
+@triton.jit
+def _score_kernel(
+    q_ptr, k_ptr, w_ptr, ks_ptr, ke_ptr, out_ptr, cmax_ptr,
+    T, N, H, n_qblocks, blocks_per_prog,
+    stride_qt, stride_qh, stride_kn, stride_wt, stride_ot, stride_ct,
+    D: tl.constexpr, DP: tl.constexpr, HP: tl.constexpr, QB: tl.constexpr, BN: tl.constexpr,
+    WRITE_CMAX: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    QH: tl.constexpr = QB * HP
+    pid = tl.program_id(0)
+    pid_q = pid % n_qblocks  # query blocks fastest: programs in flight share one key range
+    pid_n = pid // n_qblocks
+    t0 = pid_q * QB
+
+    r = tl.arange(0, QH)  # [QH] row = query-in-block * HP + head
+    rt = t0 + r // HP
+    rh = r % HP
+    rmask = (rt < T) & (rh < H)
+    d = tl.arange(0, DP)
+    q = tl.load(
+        q_ptr + rt[:, None].to(tl.int64) * stride_qt + rh[:, None] * stride_qh + d[None, :],
+        mask=rmask[:, None] & (d[None, :] < D), other=0.0,
+    )  # [QH, DP]
+    qT = tl.trans(q)  # [DP, QH]
+    w = tl.load(w_ptr + rt.to(tl.int64) * stride_wt + rh, mask=rmask, other=0.0).to(tl.float32)  # [QH]
+
+    tq = t0 + tl.arange(0, QB)  # [QB]
+    tmask = tq < T
+    ks = tl.maximum(tl.load(ks_ptr + tq, mask=tmask, other=N).to(tl.int32), 0)  # [QB]
+    ke = tl.minimum(tl.load(ke_ptr + tq, mask=tmask, other=0).to(tl.int32), N)  # [QB]
+    lo = tl.min(ks, axis=0)
+    hi = tl.max(ke, axis=0)
+
+    nb1 = tl.minimum((pid_n + 1) * blocks_per_prog, tl.cdiv(N, BN))
+    nb0 = pid_n * blocks_per_prog
+    cb0 = tl.minimum(tl.maximum(nb0, lo // BN), nb1)  # computed blocks [cb0, cb1): they meet [lo, hi)
+    cb1 = tl.maximum(tl.minimum(nb1, tl.cdiv(hi, BN)), cb0)
+
+    out_rows = out_ptr + tq[None, :].to(tl.int64) * stride_ot  # [1, QB]
+    neg = tl.full((BN, QB), float("-inf"), tl.float32)
+    cm = tl.full((BN, QB), float("-inf"), tl.float32)  # running max over this program's keys j = i mod BN
+    for nb in range(nb0, cb0):
+        n = nb * BN + tl.arange(0, BN)
+        tl.store(out_rows + n[:, None], neg.to(out_ptr.dtype.element_ty), mask=(n[:, None] < N) & tmask[None, :])
+    for nb in range(cb0, cb1):
+        n = nb * BN + tl.arange(0, BN)  # [BN]
+        kt = tl.load(
+            k_ptr + n[:, None].to(tl.int64) * stride_kn + d[None, :],
+            mask=(n[:, None] < N) & (d[None, :] < D), other=0.0,
+        )  # [BN, DP]
+        acc = _mma(kt, qT, tl.zeros((BN, QH), dtype=tl.float32), IEEE, INTERPRET)  # [BN, QH]
+        s = tl.maximum(acc, 0.0) * w[None, :]
+        s = tl.sum(tl.reshape(s, (BN, QB, HP)), axis=2)  # [BN, QB]
+        vis = (n[:, None] >= ks[None, :]) & (n[:, None] < ke[None, :])
+        s = tl.where(vis, s, float("-inf")).to(out_ptr.dtype.element_ty)
+        tl.store(out_rows + n[:, None], s, mask=(n[:, None] < N) & tmask[None, :])
+        if WRITE_CMAX:
+            cm = tl.maximum(cm, s.to(tl.float32))
+    for nb in range(cb1, nb1):
+        n = nb * BN + tl.arange(0, BN)
+        tl.store(out_rows + n[:, None], neg.to(out_ptr.dtype.element_ty), mask=(n[:, None] < N) & tmask[None, :])
+    if WRITE_CMAX:  # max over the disjoint sets {j = i mod BN in this key range}: a lower bound for the top-k
+        c = pid_n * BN + tl.arange(0, BN)
+        tl.store(cmax_ptr + tq[None, :].to(tl.int64) * stride_ct + c[:, None], cm, mask=tmask[None, :])
+
+
+@triton.jit
+def _cand_kernel(
+    q_ptr, k_ptr, w_ptr, cand_ptr, ks_ptr, ke_ptr, out_ptr, kidx_ptr,
+    T, N, H, C, bs, ncols, cols_per_prog,
+    stride_qt, stride_qh, stride_kn, stride_wt, stride_ct, stride_ot, stride_it,
+    D: tl.constexpr, DP: tl.constexpr, HP: tl.constexpr, BC: tl.constexpr,
+    IEEE: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    t = tl.program_id(0)
+    c0 = tl.program_id(1) * cols_per_prog
+    c1 = tl.minimum(c0 + cols_per_prog, ncols)
+    h = tl.arange(0, HP)
+    d = tl.arange(0, DP)
+    q = tl.load(q_ptr + t.to(tl.int64) * stride_qt + h[:, None] * stride_qh + d[None, :],
+                mask=(h[:, None] < H) & (d[None, :] < D), other=0.0)  # [HP, DP]
+    qT = tl.trans(q)  # [DP, HP]
+    w = tl.load(w_ptr + t.to(tl.int64) * stride_wt + h, mask=h < H, other=0.0).to(tl.float32)  # [HP]
+    ks = tl.maximum(tl.load(ks_ptr + t).to(tl.int64), 0)
+    ke = tl.minimum(tl.load(ke_ptr + t).to(tl.int64), N)
+    for cs in range(c0, c1, BC):
+        col = cs + tl.arange(0, BC)  # [BC] output column = candidate slot * bs + offset in the block
+        cmask = col < c1
+        blk = tl.load(cand_ptr + t.to(tl.int64) * stride_ct + col // bs, mask=cmask, other=-1).to(tl.int64)
+        kid = blk * bs + col % bs  # [BC] key index
+        valid = cmask & (blk >= 0) & (kid >= ks) & (kid < ke)
+        kt = tl.load(k_ptr + kid[:, None] * stride_kn + d[None, :],
+                     mask=valid[:, None] & (d[None, :] < D), other=0.0)  # [BC, DP] gathered key rows
+        acc = _mma(kt, qT, tl.zeros((BC, HP), dtype=tl.float32), IEEE, INTERPRET)  # [BC, HP]
+        s = tl.sum(tl.maximum(acc, 0.0) * w[None, :], axis=1)  # [BC]
+        s = tl.where(valid, s, float("-inf"))
+        tl.store(out_ptr + t.to(tl.int64) * stride_ot + col, s.to(out_ptr.dtype.element_ty), mask=cmask)
+        tl.store(kidx_ptr + t.to(tl.int64) * stride_it + col, tl.where(valid, kid, -1), mask=cmask)
+
+
+# ---------------------------------------------------------------------------------------------------------- launchers
+def _pow2(x: int, lo: int = 1) -> int:
+    return max(lo, triton.next_power_of_2(int(x)))
+
+
+def default_score_config(h: int, dtype: torch.dtype) -> dict:
+    """Tile config for the dense kernel (H200-tuned; tests on the interpreter use smaller tiles)."""
+    hp = _pow2(h)
+    if interpreting():
+        return dict(BN=32, QB=max(1, 16 // hp), num_warps=4, num_stages=1, blocks_per_prog=4)
+    if dtype == torch.float32:  # exact fp32 products: slow path, only for checks
+        return dict(BN=64, QB=max(1, 64 // hp), num_warps=4, num_stages=2, blocks_per_prog=64)
+    return dict(BN=128, QB=max(1, 128 // hp), num_warps=8, num_stages=3, blocks_per_prog=128)
+
+
+def _launch_score(q, k, w, k_start, k_end, out_dtype, want_cmax, **cfg):
+    t, h, d = q.shape
+    n = k.shape[0]
+    c = {**default_score_config(h, q.dtype), **cfg}
+    bn, qb, bpp = c["BN"], c["QB"], c["blocks_per_prog"]
+    hp = _pow2(h)
+    if qb * hp < 16 or bn < 16:
+        raise ValueError(f"tile too small for tl.dot: QB*HP={qb * hp}, BN={bn} (need >= 16)")
+    out = torch.empty(t, n, device=q.device, dtype=out_dtype)
+    n_qblocks = triton.cdiv(t, qb)
+    n_split = max(1, triton.cdiv(triton.cdiv(n, bn), bpp))
+    cmax = torch.empty(t, n_split * bn if want_cmax else 0, device=q.device, dtype=torch.float32)
+    if t == 0 or n == 0:
+        return out, cmax
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    k = (k if k.dtype == q.dtype else k.to(q.dtype)).contiguous()
+    w = w if w.stride(-1) == 1 else w.contiguous()
+    _score_kernel[(n_qblocks * n_split,)](
+        q, k, w, k_start.contiguous(), k_end.contiguous(), out, cmax,
+        t, n, h, n_qblocks, bpp,
+        q.stride(0), q.stride(1), k.stride(0), w.stride(0), out.stride(0), max(cmax.stride(0), 1),
+        D=d, DP=_pow2(d, 16), HP=hp, QB=qb, BN=bn, WRITE_CMAX=want_cmax,
+        IEEE=q.dtype == torch.float32, INTERPRET=interpreting(),
+        num_warps=c["num_warps"], num_stages=c["num_stages"],
+    )
+    return out, cmax
+
+
+def _launch_cand(q, k, w, cand_blocks, block_size, k_start, k_end, BC=None, cols_per_prog=None, num_warps=None,
+                 num_stages=None):
+    t, h, d = q.shape
+    n, c = k.shape[0], cand_blocks.shape[1]
+    ncols = c * block_size
+    scores = torch.empty(t, ncols, device=q.device, dtype=torch.float32)
+    kidx = torch.empty(t, ncols, device=q.device, dtype=torch.int64)
+    if t == 0 or ncols == 0:
+        return scores, kidx
+    interp = interpreting()
+    bc = BC or (32 if interp else 128)
+    cpp = cols_per_prog or (ncols if interp else max(bc, triton.cdiv(ncols, 2 * bc) * bc))
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    k = (k if k.dtype == q.dtype else k.to(q.dtype)).contiguous()
+    w = w if w.stride(-1) == 1 else w.contiguous()
+    cand_blocks = cand_blocks.contiguous()
+    _cand_kernel[(t, triton.cdiv(ncols, cpp))](
+        q, k, w, cand_blocks, k_start.contiguous(), k_end.contiguous(), scores, kidx,
+        t, n, h, c, block_size, ncols, cpp,
+        q.stride(0), q.stride(1), k.stride(0), w.stride(0), cand_blocks.stride(0), scores.stride(0), kidx.stride(0),
+        D=d, DP=_pow2(d, 16), HP=_pow2(h, 16), BC=bc, IEEE=q.dtype == torch.float32, INTERPRET=interp,
+        num_warps=num_warps or 4, num_stages=num_stages or (1 if interp else 3),
+    )
+    return scores, kidx
+
+
+# ------------------------------------------------------------------------------------------------------- custom ops
+@torch.library.custom_op("minidi::indexer_score", mutates_args=())
+def _indexer_score_op(
+    q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, k_start: torch.Tensor, k_end: torch.Tensor,
+    out_dtype: torch.dtype, want_cmax: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _launch_score(q, k, w, k_start, k_end, out_dtype, want_cmax)
+
+
+@_indexer_score_op.register_fake
+def _(q, k, w, k_start, k_end, out_dtype, want_cmax):
+    t, h, _ = q.shape
+    n = k.shape[0]
+    c = default_score_config(h, q.dtype)
+    n_split = max(1, triton.cdiv(triton.cdiv(n, c["BN"]), c["blocks_per_prog"]))
+    return q.new_empty(t, n, dtype=out_dtype), q.new_empty(t, n_split * c["BN"] if want_cmax else 0,
+                                                            dtype=torch.float32)
+
+
+@torch.library.custom_op("minidi::indexer_score_candidates", mutates_args=())
+def _indexer_score_candidates_op(
+    q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, cand_blocks: torch.Tensor, block_size: int,
+    k_start: torch.Tensor, k_end: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _launch_cand(q, k, w, cand_blocks, block_size, k_start, k_end)
+
+
+@_indexer_score_candidates_op.register_fake
+def _(q, k, w, cand_blocks, block_size, k_start, k_end):
+    shape = (q.shape[0], cand_blocks.shape[1] * block_size)
+    return q.new_empty(shape, dtype=torch.float32), q.new_empty(shape, dtype=torch.int64)
+
+
+# ---------------------------------------------------------------------------------------------------------- references
+def indexer_score_ref(
+    q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, k_start: torch.Tensor, k_end: torch.Tensor,
+    out_dtype: torch.dtype = torch.float32, compute_dtype: torch.dtype = torch.float32, chunk: int = 64,
+) -> torch.Tensor:
+    """Plain-torch scores in ``compute_dtype`` (fp32: the fallback; float64: the test oracle), query-chunked so
+    the [chunk, H, N] intermediate stays small. Same contract as ``indexer_score``."""
+    t, n = q.shape[0], k.shape[0]
+    out = torch.empty(t, n, device=q.device, dtype=out_dtype)
+    j = torch.arange(n, device=q.device)
+    kc = k.to(compute_dtype)
+    for a in range(0, t, chunk):
+        s = torch.einsum("thd,nd->thn", q[a : a + chunk].to(compute_dtype), kc)  # [c, H, N]
+        s = (s.relu() * w[a : a + chunk].to(compute_dtype).unsqueeze(-1)).sum(1)  # [c, N]
+        vis = (j >= k_start[a : a + chunk, None]) & (j < k_end[a : a + chunk, None])
+        out[a : a + chunk] = s.masked_fill(~vis, float("-inf")).to(out_dtype)
+    return out
+
+
+def indexer_score_candidates_ref(
+    q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, cand_blocks: torch.Tensor, block_size: int,
+    k_start: torch.Tensor, k_end: torch.Tensor, compute_dtype: torch.dtype = torch.float32, chunk: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain-torch candidate scores; same contract as ``indexer_score_candidates``."""
+    t, c = cand_blocks.shape
+    off = torch.arange(block_size, device=q.device)
+    kid = (cand_blocks.long().unsqueeze(-1) * block_size + off).flatten(1)  # [T, C*B]
+    blk = cand_blocks.long().repeat_interleave(block_size, dim=1)  # [T, C*B]
+    valid = (blk >= 0) & (kid >= k_start.long()[:, None]) & (kid < k_end.long().clamp(max=k.shape[0])[:, None])
+    kid = torch.where(valid, kid, -1)
+    scores = torch.empty(t, c * block_size, device=q.device, dtype=torch.float32)
+    for a in range(0, t, chunk):
+        kr = k.to(compute_dtype)[kid[a : a + chunk].clamp(min=0)]  # [c, C*B, D]
+        s = torch.einsum("thd,tnd->thn", q[a : a + chunk].to(compute_dtype), kr)
+        s = (s.relu() * w[a : a + chunk].to(compute_dtype).unsqueeze(-1)).sum(1)  # [c, C*B]
+        scores[a : a + chunk] = s.masked_fill(~valid[a : a + chunk], float("-inf")).float()
+    return scores, kid
+
+
+# ------------------------------------------------------------------------------------------------------ public wrappers
+def _check_common(q, k, w, k_start, k_end, backend):
+    check_backend(backend)
+    for name, x in (("q", q), ("k", k), ("w", w), ("k_start", k_start), ("k_end", k_end)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        if x.device != q.device:
+            raise ValueError(f"{name} must be on {q.device} (the device of q), got {x.device}")
+    if q.dim() != 3:
+        raise ValueError(f"q must be [T, H, D], got shape {tuple(q.shape)}")
+    t, h, d = q.shape
+    if k.dim() != 2 or k.shape[1] != d:
+        raise ValueError(f"k must be [N, {d}] (D of q), got shape {tuple(k.shape)}")
+    if w.shape != (t, h):
+        raise ValueError(f"w must be [{t}, {h}] ([T, H] of q), got shape {tuple(w.shape)}")
+    for name, x in (("k_start", k_start), ("k_end", k_end)):
+        if x.shape != (t,) or x.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"{name} must be [{t}] int32/int64, got shape {tuple(x.shape)} dtype {x.dtype}")
+    if q.dtype not in _QK_DTYPES or k.dtype not in _QK_DTYPES:
+        raise TypeError(f"q and k must be bf16/fp16/fp32, got q {q.dtype}, k {k.dtype}")
+    if w.dtype not in _QK_DTYPES:
+        raise TypeError(f"w must be bf16/fp16/fp32, got {w.dtype}")
+    if backend == "triton" and not triton_can_run(q):
+        raise RuntimeError(
+            f"backend='triton' needs CUDA tensors (or CPU tensors with TRITON_INTERPRET=1); got q on {q.device}. "
+            "Use backend='ref' for the plain-torch path."
+        )
+
+
+def indexer_score(
+    q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, k_start: torch.Tensor, k_end: torch.Tensor,
+    out_dtype: torch.dtype = torch.float32, backend: str = "triton",
+) -> torch.Tensor:
+    """Dense indexer scores.
+
+    q [T, H, D] bf16/fp16/fp32, k [N, D] (cast to q's dtype), w [T, H] any float (used in fp32),
+    k_start/k_end [T] int32/int64: query t sees keys j in [k_start[t], k_end[t]) (a packed ragged batch puts several
+    sequences in one key pool; the single-sequence case is k_start = 0, k_end = n_visible).
+    Returns scores [T, N] ``out_dtype`` (fp32 default, or bf16): fp32 accumulation, -inf outside the visible range.
+    """
+    _check_common(q, k, w, k_start, k_end, backend)
+    if out_dtype not in (torch.float32, torch.bfloat16):
+        raise TypeError(f"out_dtype must be torch.float32 or torch.bfloat16, got {out_dtype}")
+    if backend == "ref":
+        return indexer_score_ref(q, k, w, k_start, k_end, out_dtype)
+    return _indexer_score_op(q, k, w, k_start, k_end, out_dtype, False)[0]
+
+
+def indexer_score_candidates(
+    q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, cand_blocks: torch.Tensor, block_size: int,
+    k_start: torch.Tensor, k_end: torch.Tensor, backend: str = "triton",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scores restricted to candidate blocks (V4.1 re-index layers): only keys inside the candidate blocks are read.
+
+    cand_blocks [T, C] int32/int64 block ids (-1 = empty slot); block b holds keys [b*block_size, (b+1)*block_size).
+    Returns (scores [T, C*block_size] fp32, key_idx [T, C*block_size] int64): column c*B+i is key
+    cand_blocks[t, c]*B + i, or -1 (score -inf) for an empty slot or a key outside [k_start[t], k_end[t]).
+    """
+    _check_common(q, k, w, k_start, k_end, backend)
+    t = q.shape[0]
+    if cand_blocks.dim() != 2 or cand_blocks.shape[0] != t or cand_blocks.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"cand_blocks must be [{t}, C] int32/int64, got shape {tuple(cand_blocks.shape)} "
+                         f"dtype {cand_blocks.dtype}")
+    if cand_blocks.device != q.device:
+        raise ValueError(f"cand_blocks must be on {q.device}, got {cand_blocks.device}")
+    if not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+    if backend == "ref":
+        return indexer_score_candidates_ref(q, k, w, cand_blocks, block_size, k_start, k_end)
+    return _indexer_score_candidates_op(q, k, w, cand_blocks, block_size, k_start, k_end)
+
+
+def indexer_topk(
+    q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, n_visible: torch.Tensor, topk: int,
+    allowed: torch.Tensor | None = None, backend: str = "triton",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Drop-in for the model's ``indexer_topk_naive`` (same arguments, same return shapes).
+
+    q [T, H, D], k [N, D], w [T, H], n_visible [T] int, allowed [T, N] bool or None.
+    Returns (idx [T, min(topk, N)] int64, scores [T, N] fp32). idx holds the top-k set in ascending key order with
+    -1 padding at the end for picks whose score is -inf (the naive path returns the same set in descending score
+    order). Without ``allowed`` the score kernel also writes per-set maxima that give the top-k its threshold bound.
+    """
+    t = q.shape[0]
+    if n_visible.shape != (t,):
+        raise ValueError(f"n_visible must be [{t}], got shape {tuple(n_visible.shape)}")
+    k_start = torch.zeros_like(n_visible)
+    kk = min(topk, k.shape[0])
+    if allowed is not None and (allowed.shape != (t, k.shape[0]) or allowed.dtype != torch.bool):
+        raise ValueError(f"allowed must be [{t}, {k.shape[0]}] bool, got {tuple(allowed.shape)} {allowed.dtype}")
+    _check_common(q, k, w, k_start, n_visible, backend)
+    if backend == "ref":
+        scores = indexer_score_ref(q, k, w, k_start, n_visible)
+        if allowed is not None:
+            scores = scores.masked_fill(~allowed, float("-inf"))
+        return topk_indices_ref(scores, kk, n_visible), scores
+    scores, cmax = _indexer_score_op(q, k, w, k_start, n_visible, torch.float32, allowed is None)
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        cmax = None
+    return _topk_op_call(scores, kk, n_visible, cmax), scores
+
+
+def indexer_topk_candidates(
+    q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, cand_blocks: torch.Tensor, block_size: int,
+    k_start: torch.Tensor, k_end: torch.Tensor, topk: int, backend: str = "triton",
+) -> torch.Tensor:
+    """Top-k key indices [T, topk] int64 (-1 padded) from candidate-restricted scores (re-index layers)."""
+    scores, kidx = indexer_score_candidates(q, k, w, cand_blocks, block_size, k_start, k_end, backend)
+    if backend == "ref":
+        cols = topk_indices_ref(scores, topk)
+    else:
+        cols = _topk_op_call(scores, topk, None, None)
+    return torch.where(cols >= 0, kidx.gather(1, cols.clamp(min=0)), -1)
+
+
+def _topk_op_call(scores, kk, k_end, cmax):
+    return torch.ops.minidi.topk_indices(scores, kk, None, k_end, cmax)
+
+
+__all__ = [
+    "indexer_score", "indexer_score_candidates", "indexer_topk", "indexer_topk_candidates",
+    "indexer_score_ref", "indexer_score_candidates_ref", "default_score_config", "_launch_score", "_launch_cand",
+    "_launch_topk",
+]
