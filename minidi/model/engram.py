@@ -49,5 +49,6 @@ class Engram(nn.Module):
         xf = x.float()
         rho = torch.rsqrt(xf.square().mean(-1) + eps) * torch.rsqrt(key.square().mean(-1) + eps)  # [T, n]
         delta = (xf * w * key).sum(-1) * rho / d**0.5  # [T, n]
-        g = torch.sigmoid(torch.copysign(torch.sqrt(delta.abs().clamp(min=1e-6)), delta))  # delta=+0 -> positive
+        mag = torch.sqrt(delta.abs().clamp(min=1e-6))
+        g = torch.sigmoid(torch.where(delta >= 0, mag, -mag))  # delta = +-0 counts as positive: sigmoid(+0.001)
         return (xf + g.unsqueeze(-1) * value.unsqueeze(1)).to(x.dtype)

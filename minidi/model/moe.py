@@ -157,7 +157,8 @@ class RoutedExperts(nn.Module):
         dtype = x.dtype
         flat = idx.flatten()  # [R] expert of each token-slot
         order = flat.argsort(stable=True)  # sorted row -> token-slot
-        counts = torch.bincount(flat, minlength=self.w1.shape[0])
+        counts = torch.zeros(self.w1.shape[0], dtype=torch.long, device=flat.device).scatter_add_(
+            0, flat, torch.ones_like(flat))  # (bincount has a data-dependent output size)
         offs = counts.cumsum(0).to(torch.int32)
         xs = x[order // k]  # [R, D] rows sorted by expert
         ws = weights.flatten()[order].unsqueeze(-1)  # [R, 1]
