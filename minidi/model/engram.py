@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from .config import ModelConfig
-from .layers import FP8Linear, weight_param
+from .layers import FP8Linear, hold_e8m0_as_bytes, scale_param, weight_param
 from .quant import e8m0_to_float
 
 
@@ -19,7 +19,8 @@ class EngramEmbedding(nn.Module):
     def __init__(self, rows: int, head_dim: int) -> None:
         super().__init__()
         self.weight = weight_param(rows, head_dim, dtype=torch.float8_e4m3fn)
-        self.scale = weight_param(rows, head_dim // 32, dtype=torch.float8_e8m0fnu)
+        self.scale = scale_param(rows, head_dim // 32)
+        hold_e8m0_as_bytes(self)
 
     def forward(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """ids [T, R] -> [T, R, hd] (exact in bf16)."""

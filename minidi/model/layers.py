@@ -22,6 +22,37 @@ def weight_param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
 
 
+# E8M0 scales are held as their raw bytes (uint8): Inductor's CPU backend has no float8_e8m0fnu. The checkpoint
+# dtype is kept at the boundary: state_dict() returns float8_e8m0fnu views and load_state_dict takes them.
+E8M0_HELD = torch.uint8
+
+
+def scale_param(*shape: int) -> nn.Parameter:
+    return weight_param(*shape, dtype=E8M0_HELD)
+
+
+def e8m0_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.view(E8M0_HELD) if t.dtype == torch.float8_e8m0fnu else t
+
+
+def hold_e8m0_as_bytes(module: nn.Module) -> None:
+    """Translate this module's own E8M0 scale entries between the checkpoint dtype and the held bytes."""
+
+    def to_bytes(mod, state_dict, prefix, *args):
+        for name, p in mod.named_parameters(recurse=False):
+            key = prefix + name
+            if p.dtype == E8M0_HELD and key in state_dict:
+                state_dict[key] = e8m0_bytes(state_dict[key])
+
+    def to_e8m0(mod, state_dict, prefix, local_metadata):
+        for name, p in mod.named_parameters(recurse=False):
+            if p.dtype == E8M0_HELD and prefix + name in state_dict:
+                state_dict[prefix + name] = state_dict[prefix + name].view(torch.float8_e8m0fnu)
+
+    module._register_load_state_dict_pre_hook(to_bytes, with_module=True)
+    module._register_state_dict_hook(to_e8m0)
+
+
 class RMSNorm(nn.Module):
     """y = w * x * rsqrt(mean(x^2) + eps), all in fp32, one rounding to the input dtype."""
 
@@ -69,7 +100,8 @@ class FP8Linear(nn.Module):
         self.block, self.act_block = b, cfg.act_block
         self.quant_input = quant_input and cfg.fake_quant
         self.weight = weight_param(out_features, in_features, dtype=torch.float8_e4m3fn)
-        self.scale = weight_param(-(-out_features // b), -(-in_features // b), dtype=torch.float8_e8m0fnu)
+        self.scale = scale_param(-(-out_features // b), -(-in_features // b))
+        hold_e8m0_as_bytes(self)
 
     def dequant(self, dtype: torch.dtype) -> torch.Tensor:
         return dequant_fp8(self.weight, self.scale, self.block, dtype)

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
-from .layers import FP8Linear, weight_param
+from .layers import FP8Linear, e8m0_bytes, scale_param, weight_param
 from .quant import dequant_fp4, fq8
 
 
@@ -73,9 +73,9 @@ def dequant_expert_stack(packed: torch.Tensor, scale: torch.Tensor, dtype: torch
 
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """Rows of x [R, K] sorted by expert, w [E, N, K], offs [E] int32 cumulative row ends -> [R, N] in x's dtype."""
-    if hasattr(torch, "_grouped_mm") and (x.device.type == "cpu" or x.dtype == torch.bfloat16):
+    if x.dtype == torch.bfloat16:  # torch's grouped GEMM (its meta function, hence torch.compile, wants bf16)
         return torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
-    # fallback (e.g. fp32 on a GPU): every expert on every row, keep each row's own expert (small configs only)
+    # fp32 (comparison mode): every expert on every row, keep each row's own expert (small configs only)
     expert = torch.bucketize(torch.arange(x.shape[0], device=x.device), offs.long(), right=True)
     out = torch.einsum("rk,enk->ren", x, w)
     return out.gather(1, expert.clamp(max=w.shape[0] - 1).view(-1, 1, 1).expand(-1, 1, w.shape[1])).squeeze(1)
@@ -105,7 +105,7 @@ class RoutedExperts(nn.Module):
         shapes = {"w1": (i, d), "w3": (i, d), "w2": (d, i)}
         for name, (out, inp) in shapes.items():
             setattr(self, name, weight_param(e, out, inp // 2, dtype=torch.int8))
-            setattr(self, f"{name}_scale", weight_param(e, out, inp // b, dtype=torch.float8_e8m0fnu))
+            setattr(self, f"{name}_scale", scale_param(e, out, inp // b))
         # which experts this rank computes (all of them on one device; expert parallelism narrows it)
         self.register_buffer("local", torch.ones(e, dtype=torch.bool), persistent=False)
 
@@ -118,7 +118,8 @@ class RoutedExperts(nn.Module):
             w, s = getattr(self, name), getattr(self, f"{name}_scale")
             for e in range(w.shape[0]):
                 destination[f"{prefix}{e}.{name}.weight"] = w[e] if keep_vars else w[e].detach()
-                destination[f"{prefix}{e}.{name}.scale"] = s[e] if keep_vars else s[e].detach()
+                destination[f"{prefix}{e}.{name}.scale"] = (s[e] if keep_vars else s[e].detach()).view(
+                    torch.float8_e8m0fnu)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
@@ -131,16 +132,15 @@ class RoutedExperts(nn.Module):
                 if missing:
                     missing_keys.extend(missing)
                     continue
-                parts = [state_dict[k] for k in keys]
-                bad = [k for k, p in zip(keys, parts) if p.shape != param.shape[1:] or p.dtype != param.dtype]
+                parts = [e8m0_bytes(state_dict[k]) if suffix == "scale" else state_dict[k] for k in keys]
+                bad = [k for k, p in zip(keys, parts) if p.shape != param.shape[1:] or p.dtype != param.dtype
+                       or (suffix == "scale" and state_dict[k].dtype not in (torch.float8_e8m0fnu, torch.uint8))]
                 if bad:
+                    want = torch.float8_e8m0fnu if suffix == "scale" else param.dtype
                     error_msgs.extend(
-                        f"{k}: expected {tuple(param.shape[1:])} {param.dtype}, got {tuple(state_dict[k].shape)} "
+                        f"{k}: expected {tuple(param.shape[1:])} {want}, got {tuple(state_dict[k].shape)} "
                         f"{state_dict[k].dtype}" for k in bad)
                     continue
-                if all(p.data_ptr() == parts[0].data_ptr() + e * parts[0].nbytes for e, p in enumerate(parts)) \
-                        and parts[0].device == param.device and param.is_meta is False and False:
-                    pass  # (kept simple: always stack)
                 stacked = torch.stack(parts)
                 if local_metadata.get("assign_to_params_buffers", False) or param.is_meta:
                     setattr(self, attr, nn.Parameter(stacked, requires_grad=False))

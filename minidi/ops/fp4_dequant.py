@@ -8,11 +8,12 @@ Replaces (pass target D, ``minidi.model.moe.dequant_expert_stack`` -> ``quant.de
 
 Kernel: one program per [BLOCK_O rows, BLOCK_B packed bytes] tile of one expert. It loads the bytes as a
 [BLOCK_O, BLOCK_B // 16, 16] tile (16 bytes = 32 values share one scale) with 16-byte vector loads, and the scales as
-[BLOCK_O, BLOCK_B // 16]; decodes both nibbles with integer ops (the e2m1 magnitude m becomes the fp32 bit pattern
-((m << 22) + 0x3F000000) for m >= 2, 0.5 for m = 1, 0 for m = 0; bit 3 is the sign), multiplies by the scale in fp32
-(exact: grid values have <= 2 significant bits, so every product is exact in fp32, including the subnormal products
-of exponent codes 0 and 1, and 6 * 2^127 overflows to inf exactly like the reference), interleaves low/high with
-``tl.join`` and stores 2 * BLOCK_B contiguous outputs per row.
+[BLOCK_O, BLOCK_B // 16]; decodes each nibble with 2 shifts + 2 masks into an fp32 pattern worth value * 2^-126
+(see ``_e2m1``), multiplies by 2^126 and by the scale in fp32 (exact: grid values have <= 2 significant bits, so every
+product is exact in fp32, including the subnormal products of exponent codes 0 and 1, and 6 * 2^127 overflows to inf
+exactly like the reference; Triton keeps fp32 denormals in plain multiplies, FTZ applies only inside libdevice),
+interleaves low/high with ``tl.join`` and stores 2 * BLOCK_B contiguous outputs per row. About 5 integer ops per
+output value, so the integer pipe (~17 T ops/s on an H200) stays under the ~2 ms memory floor.
 
 bf16 output: since every product has <= 2 significant bits, fp32 -> bf16 is exact, i.e. the top 16 bits of the fp32
 pattern; the kernel stores ``bits >> 16`` (bit-identical to torch's ``.to(torch.bfloat16)`` for every non-NaN value,
@@ -57,12 +58,15 @@ def fp4_dequant_ref(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtyp
 
 # ---- kernel --------------------------------------------------------------------------------------------------------
 @triton.jit
-def _decode(code, s):
-    """e2m1 codes (int32, 0..15) x fp32 scales -> fp32 values."""
-    m = code & 7
-    bits = tl.where(m >= 2, (m << 22) + 0x3F000000, tl.where(m == 1, 0x3F000000, 0))
-    bits = bits | ((code & 8) << 28)
-    return bits.to(tl.float32, bitcast=True) * s
+def _e2m1(p, SHIFT: tl.constexpr, s):
+    """Nibble at bit SHIFT of the bytes ``p`` (uint32) times the fp32 scales ``s``.
+
+    The 3 magnitude bits go to fp32 bits 24..22 and the sign to bit 31: a float whose value is the e2m1 value times
+    2^-126 (exponent field m >> 1, top mantissa bit m & 1; m = 1 lands on the subnormal 2^-127 = 0.5 * 2^-126), so
+    one exact multiply by 2^126 rebiases it. 2 shifts + 2 masks on the integer pipe, 2 fp32 multiplies.
+    """
+    bits = ((p << (22 - SHIFT)) & 0x01C00000) | ((p << (28 - SHIFT)) & 0x80000000)
+    return bits.to(tl.float32, bitcast=True) * 8.507059173023462e37 * s  # 2^126, then the scale (both exact)
 
 
 @triton.jit
@@ -80,13 +84,13 @@ def _fp4_dequant_kernel(p_ptr, s_ptr, o_ptr, O, NB, NS,
     c = g[None, :, None] * 16 + j[None, None, :]  # [1, NG, 16] packed byte column
     o_ok = (o < O)[:, None, None]
     mb = o_ok & (c < NB)  # [BO, NG, 16]
-    p = tl.load(p_ptr + e * sp_e + o.to(tl.int64)[:, None, None] * sp_o + c, mask=mb, other=0).to(tl.int32)
+    p = tl.load(p_ptr + e * sp_e + o.to(tl.int64)[:, None, None] * sp_o + c, mask=mb, other=0).to(tl.uint32)
     ms = (o < O)[:, None] & (g < NS)[None, :]
     sb = tl.load(s_ptr + e * ss_e + o.to(tl.int64)[:, None] * ss_o + g[None, :], mask=ms, other=127).to(tl.int32)
     sbits = tl.where(sb == 0, 0x00400000, tl.where(sb == 255, 0x7FC00000, sb << 23))
     s = sbits.to(tl.float32, bitcast=True)[:, :, None]  # [BO, NG, 1]
-    lo = _decode(p & 0xF, s)  # [BO, NG, 16]
-    hi = _decode((p >> 4) & 0xF, s)
+    lo = _e2m1(p, 0, s)  # [BO, NG, 16] values 2c
+    hi = _e2m1(p, 4, s)  # values 2c + 1
     v = tl.reshape(tl.join(lo, hi), (BLOCK_O, 2 * BLOCK_B))  # [BO, 2*BB] values in column order
     col = tl.arange(0, 2 * BLOCK_B) + (pid % n_b) * (2 * BLOCK_B)
     m2 = (o < O)[:, None] & (col < 2 * NB)[None, :]
@@ -98,9 +102,12 @@ def _fp4_dequant_kernel(p_ptr, s_ptr, o_ptr, O, NB, NS,
 
 
 def default_config(n_bytes: int) -> dict:
-    """BLOCK_O x BLOCK_B packed bytes per program: 16 B/thread vector loads, 2 x 16 B stores per 16 bytes (bf16)."""
+    """BLOCK_O x BLOCK_B packed bytes per program: 16 B/thread vector loads, 2 x 16 B stores per 16 bytes (bf16).
+
+    Measured on the H200 (3 stacks of 96 experts): O4 B256 w2 4,060 GB/s = 95.7 % of copy (the best of 8 configs);
+    the former default O8 B256 w4 91 %."""
     block_b = min(256, max(16, triton.next_power_of_2(n_bytes)))
-    return dict(BLOCK_O=8, BLOCK_B=block_b, num_warps=4)
+    return dict(BLOCK_O=4, BLOCK_B=block_b, num_warps=2)
 
 
 def launch(packed: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, **config) -> None:

@@ -21,12 +21,13 @@ Kernel (persistent; the tile schedule is built on the device from ``offs``, no h
   ``SWAP``: compute the tile transposed, acc[BN, BM] = W[BN, BK] @ x[BM, BK]^T, so that the decoded weights are the
   A operand of the Hopper MMA (which may come from registers) and the rows of one expert are its N dimension (>= 8,
   which suits the small per-expert row counts of EP1); otherwise acc[BM, BN] = x @ W^T.
-- Decode, two implementations: ``SCALED_DOT`` hands the packed bytes and scales to ``tl.dot_scaled`` (Triton's own
-  e2m1 -> bf16 lowering, a few bit ops per value), in fast-math mode; E8M0 255 (NaN) is then restored in the
-  epilogue from the running max of the scale codes of each weight row (max == 255 <=> some scale is NaN). Otherwise
-  a manual decode: the 3 magnitude bits << 9 (| sign << 15) are an fp16 bit pattern equal to value * 2^-14 (code 1
-  lands on the fp16 subnormal 2^-15), widened to fp32, times 2^14 and the fp32 scale (exact), cast to x's dtype
-  (exact in bf16: every product has <= 2 significant bits) and multiplied with ``tl.dot`` (fp32 x: IEEE fp32).
+- Decode (``decode``): "asm" (GPU) turns 4 packed bytes into 8 bf16 with byte lookups (PTX ``prmt``, about 2.5
+  instructions per weight including the bf16x2 scale multiply); "scaled" hands bytes and scales to ``tl.dot_scaled``
+  (Triton's own e2m1 lowering); "manual" decodes with integer/fp32 arithmetic (the magnitude bits << 9, | sign << 15,
+  are an fp16 pattern equal to value * 2^-14; code 1 lands on the fp16 subnormal 2^-15; times 2^14 and the fp32
+  scale, all exact) and is the fp32-x path and the interpreter's stand-in for "asm". "asm" and "scaled" map E8M0 255
+  to inf; the epilogue restores NaN in every column whose weight row saw a 255 code (a running max of the codes).
+  Scales are loaded as one int32 (4 codes) per weight row and 128-wide K chunk (cp.async needs >= 4 bytes).
 - Rows past an expert's end are loaded clamped (in bounds, from the next expert) and masked at the store.
 
 FLOPs / minimal bytes, V4.1-Flash (R = 24,576 rows = 4,096 tokens x top-6), w1/w3 (N 2,304, K 5,120) and w2 (N 5,120,
@@ -41,6 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 
 import torch
 import triton
@@ -100,13 +102,59 @@ def _decode_e2m1(p, s, BN: tl.constexpr, BK: tl.constexpr, OUT: tl.constexpr):
     return tl.reshape(v, (BN, BK)).to(OUT)
 
 
+# e2m1 -> bf16 by byte lookups (prmt), 8 values per 32-bit register, then times the bf16 scale (fma.rn.bf16x2 with
+# a -0.0 addend = exact product). $4: four packed bytes b0..b3; $5, $6: bf16x2 scales of (b0, b1), (b2, b3).
+# Out: $0, $1 = low-nibble values of (b0, b1), (b2, b3); $2, $3 = high-nibble values. Nibble n_j = bits 4j..4j+3.
+# Tables: value byte pairs (lo, hi) of the bf16 of 0, .5, 1, 1.5, 2, 3, 4, 6 (index = the 3 magnitude bits).
+_E2M1_BF16_ASM = tl.constexpr("""
+{
+.reg .b32 m, s, m2, s2, la, ha, lb, hb, sa, sb, t0, t1, t2, t3, z;
+mov.b32 z, 0x80008000;
+and.b32 m, $4, 0x77777777;
+and.b32 s, $4, 0x88888888;
+shr.u32 s, s, 3;
+shr.u32 m2, m, 16;
+shr.u32 s2, s, 16;
+prmt.b32 la, 0xC0800000, 0xC0804000, m;
+prmt.b32 ha, 0x3F3F3F00, 0x40404040, m;
+prmt.b32 lb, 0xC0800000, 0xC0804000, m2;
+prmt.b32 hb, 0x3F3F3F00, 0x40404040, m2;
+prmt.b32 sa, 0x00008000, 0, s;
+prmt.b32 sb, 0x00008000, 0, s2;
+or.b32 ha, ha, sa;
+or.b32 hb, hb, sb;
+prmt.b32 t0, la, ha, 0x6240;
+prmt.b32 t1, lb, hb, 0x6240;
+prmt.b32 t2, la, ha, 0x7351;
+prmt.b32 t3, lb, hb, 0x7351;
+fma.rn.bf16x2 $0, t0, $5, z;
+fma.rn.bf16x2 $1, t1, $6, z;
+fma.rn.bf16x2 $2, t2, $5, z;
+fma.rn.bf16x2 $3, t3, $6, z;
+}
+""")
+
+
+@triton.jit
+def _decode_e2m1_asm(p, s, BN: tl.constexpr, BK: tl.constexpr):
+    """GPU decode: packed uint8 [BN, BK/2] + E8M0 uint8 [BN, BK/32] -> bf16 [BN, BK]. E8M0 0 -> 2^-127 (the bf16
+    subnormal 0x0040), 255 -> inf (so 0 * inf = NaN, others +-inf: the caller restores NaN from the scale codes)."""
+    # in int32, then an explicit 16-bit cast before the bitcast: Triton 3.6 promotes uint16 op python-int to int32
+    sb = tl.maximum(s.to(tl.int32) << 7, 0x40).to(tl.int16).to(tl.bfloat16, bitcast=True)  # [BN, BK/32] 2^(b-127)
+    sb = tl.reshape(tl.broadcast_to(sb[:, :, None], (BN, BK // 32, 16)), (BN, BK // 2))  # per packed byte
+    lo, hi = tl.inline_asm_elementwise(_E2M1_BF16_ASM, "=r,=r,=r,=r,r,r,r", [p, sb],
+                                       dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+    return tl.reshape(tl.join(lo, hi), (BN, BK))
+
+
 @triton.jit
 def _fp4_grouped_mm_kernel(
         x_ptr, w_ptr, s_ptr, offs_ptr, out_ptr,
         R, N, K, E, NUM_PROGS,
         stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_om,
         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, E_POW2: tl.constexpr,
-        SWAP: tl.constexpr, SCALED_DOT: tl.constexpr, EVEN_K: tl.constexpr, IS_FP32: tl.constexpr,
+        SWAP: tl.constexpr, DECODE: tl.constexpr, EVEN_K: tl.constexpr, SCALE32: tl.constexpr,
+        IS_FP32: tl.constexpr,
         INTERPRET: tl.constexpr):
     """out[r, n] = sum_k x[r, k] * W[e(r), n, k], W decoded from (w_ptr, s_ptr) in the K loop; see module doc."""
     pid = tl.program_id(0)
@@ -144,7 +192,10 @@ def _fp4_grouped_mm_kernel(
         else:
             x_ptrs = x_ptr + rows_ld[:, None] * stride_xm + kx[None, :]  # [BM, BK]
         w_ptrs = w_ptr + e_ld * stride_we + cols_ld[:, None] * stride_wn + kp[None, :]  # [BN, BK/2]
-        s_ptrs = s_ptr + e_ld * stride_se + cols_ld[:, None] * stride_sn + ks[None, :]  # [BN, BK/32]
+        if SCALE32:  # a row's 4 scale codes of a 128-wide K chunk as one int32 (cp.async needs >= 4 bytes)
+            s_ptrs = s_ptr.to(tl.pointer_type(tl.int32)) + (e_ld * stride_se + cols_ld * stride_sn) // 4  # [BN]
+        else:
+            s_ptrs = s_ptr + e_ld * stride_se + cols_ld[:, None] * stride_sn + ks[None, :]  # [BN, BK/32]
         if SWAP:
             acc = tl.zeros((BN, BM), dtype=tl.float32)
         else:
@@ -154,7 +205,11 @@ def _fp4_grouped_mm_kernel(
             if EVEN_K:
                 xt = tl.load(x_ptrs)
                 wq = tl.load(w_ptrs)
-                ws = tl.load(s_ptrs)
+                if SCALE32:  # the BK/32 codes of this step out of the chunk's int32 (little-endian)
+                    sh = ((k0 // 32) % 4 + ks) * 8  # [BK/32]
+                    ws = ((tl.load(s_ptrs + k0 // 128)[:, None] >> sh[None, :]) & 0xFF).to(tl.uint8)  # [BN, BK/32]
+                else:
+                    ws = tl.load(s_ptrs)
             else:
                 if SWAP:
                     xt = tl.load(x_ptrs, mask=(k0 + kx < K)[:, None], other=0.0)
@@ -162,14 +217,16 @@ def _fp4_grouped_mm_kernel(
                     xt = tl.load(x_ptrs, mask=(k0 + kx < K)[None, :], other=0.0)
                 wq = tl.load(w_ptrs, mask=(k0 // 2 + kp < K // 2)[None, :], other=0)
                 ws = tl.load(s_ptrs, mask=(k0 // 32 + ks < K // 32)[None, :], other=127)
-            if SCALED_DOT:  # Triton's e2m1 decode; fast math: NaN scales are restored in the epilogue
+            if DECODE == 2:  # Triton's e2m1 decode (tl.dot_scaled), fast math: NaN scales restored below
                 if SWAP:
                     acc = tl.dot_scaled(wq, ws, "e2m1", xt, None, "bf16", acc, fast_math=True)
                 else:
                     acc = tl.dot_scaled(xt, None, "bf16", tl.trans(wq), ws, "e2m1", acc, fast_math=True)
-                smax = tl.maximum(smax, tl.max(ws.to(tl.int32), 1))
             else:
-                w = _decode_e2m1(wq, ws, BN, BK, x_ptr.dtype.element_ty)  # [BN, BK]
+                if DECODE == 1 and not INTERPRET:  # PTX byte-lookup decode (E8M0 255 -> inf, fixed below)
+                    w = _decode_e2m1_asm(wq, ws, BN, BK)  # [BN, BK] bf16
+                else:
+                    w = _decode_e2m1(wq, ws, BN, BK, x_ptr.dtype.element_ty)  # [BN, BK]
                 if IS_FP32:
                     if SWAP:
                         acc = tl.dot(w, xt, acc, input_precision="ieee")
@@ -180,19 +237,22 @@ def _fp4_grouped_mm_kernel(
                         acc = dot(w, xt, acc, INTERPRET)
                     else:
                         acc = dot(xt, tl.trans(w), acc, INTERPRET)
+            if DECODE != 0:
+                smax = tl.maximum(smax, tl.max(ws.to(tl.int32), 1))
             x_ptrs += BK
             w_ptrs += BK // 2
-            s_ptrs += BK // 32
+            if not SCALE32:
+                s_ptrs += BK // 32
         row_ok = rows < m_end
         col_ok = cols < N
         if SWAP:
-            if SCALED_DOT:
+            if DECODE != 0:
                 acc = tl.where((smax == 255)[:, None], float("nan"), acc)
             y = acc.to(out_ptr.dtype.element_ty)
             o_ptrs = out_ptr + rows.to(tl.int64)[None, :] * stride_om + cols[:, None]  # [BN, BM]
             tl.store(o_ptrs, y, mask=row_ok[None, :] & col_ok[:, None])
         else:
-            if SCALED_DOT:
+            if DECODE != 0:
                 acc = tl.where((smax == 255)[None, :], float("nan"), acc)
             y = acc.to(out_ptr.dtype.element_ty)
             o_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :]  # [BM, BN]
@@ -200,9 +260,17 @@ def _fp4_grouped_mm_kernel(
 
 
 # ---- configs and launch --------------------------------------------------------------------------------------------
+DECODES = ("manual", "asm", "scaled")
+
+
 @dataclasses.dataclass(frozen=True)
 class Fp4GemmConfig:
-    """Tile and schedule of one launch. ``progs_per_sm`` sizes the persistent grid on the GPU (``progs`` overrides)."""
+    """Tile, decode and schedule of one launch.
+
+    decode: "asm" (PTX byte-lookup decode + bf16x2 scale multiply; arithmetic decode in the interpreter), "scaled"
+    (``tl.dot_scaled``, bf16 x only) or "manual" (integer/fp32 arithmetic; the fp32-x path). swap: acc^T = W x^T.
+    ``progs_per_sm`` sizes the persistent grid on the GPU; ``progs`` overrides it (tests use it everywhere).
+    """
 
     BM: int = 128
     BN: int = 128
@@ -210,26 +278,49 @@ class Fp4GemmConfig:
     num_warps: int = 8
     num_stages: int = 3
     swap: bool = True
-    scaled_dot: bool = True
+    decode: str = "asm"
     progs_per_sm: int = 1
     progs: int | None = None
 
     def name(self) -> str:
-        kind = ("scaled" if self.scaled_dot else "manual") + ("_swap" if self.swap else "")
-        return f"{kind}_m{self.BM}n{self.BN}k{self.BK}_w{self.num_warps}s{self.num_stages}p{self.progs_per_sm}"
+        return (f"{self.decode}{'_swap' if self.swap else ''}_m{self.BM}n{self.BN}k{self.BK}"
+                f"_w{self.num_warps}s{self.num_stages}p{self.progs_per_sm}")
+
+
+# Known-good GPU configs, measured on the H200 (Triton 3.6; R = 24,576 rows): the fallbacks of the "asm" defaults.
+# EP4 (256 rows / expert): 2.56 ms = 226 TFLOP/s; EP1 (64 rows / expert): 6.98 ms = 83 TFLOP/s.
+SCALED_EP4 = Fp4GemmConfig(BM=256, BN=128, BK=128, num_warps=8, num_stages=3, swap=False, decode="scaled")
+SCALED_EP1 = Fp4GemmConfig(BM=64, BN=128, BK=128, num_warps=8, num_stages=4, swap=False, decode="scaled")
+SCALED_SMALL = Fp4GemmConfig(BM=128, BN=128, BK=128, num_warps=8, num_stages=3, swap=False, decode="scaled")  # 150
+
+
+def _is_ep4_like(r: int, e: int) -> bool:
+    return r / max(e, 1) >= 160  # mean rows per expert, known on the host without a sync
 
 
 def default_config(r: int, e: int, n: int, k: int, dtype: torch.dtype, device: torch.device) -> Fp4GemmConfig:
-    """Heuristic by mean rows per expert (known on the host without a sync: R / E)."""
+    """Heuristic by mean rows per expert. GPU bf16: the "asm" decode (compiles on Triton 3.6 and 3.9; sm_90 SASS of
+    BM 256: 313 instructions per 64-wide K step, no spills, 112 KB smem, vs 568 and 60 B of spills per 128-wide step
+    for the measured "scaled" BM 256), falling back to ``SCALED_*`` (see ``fallback_chain``)."""
     if device.type != "cuda":  # interpreter: small tiles keep the numpy emulation fast
-        return Fp4GemmConfig(BM=32, BN=32, BK=64 if k % 64 == 0 or k > 64 else 32, num_warps=4, num_stages=1,
-                             scaled_dot=dtype == torch.bfloat16, progs=4)
+        return Fp4GemmConfig(BM=32, BN=32, BK=64, num_warps=4, num_stages=1,
+                             decode="asm" if dtype == torch.bfloat16 else "manual", progs=4)
     if dtype == torch.float32:  # test mode: IEEE fp32 dot, manual decode
-        return Fp4GemmConfig(BM=64, BN=64, BK=32, num_warps=4, num_stages=2, scaled_dot=False)
-    rows = r / max(e, 1)
-    if rows >= 160:
-        return Fp4GemmConfig(BM=128, BN=128, BK=128, num_warps=8, num_stages=3)
-    return Fp4GemmConfig(BM=64, BN=128, BK=128, num_warps=4, num_stages=4)
+        return Fp4GemmConfig(BM=64, BN=64, BK=32, num_warps=4, num_stages=2, decode="manual")
+    if _is_ep4_like(r, e):  # EP4-like (256 rows per expert): one 256-row tile per expert, decode amortised
+        return Fp4GemmConfig(BM=256, BN=128, BK=64, num_warps=8, num_stages=3, swap=True, decode="asm")
+    # EP1-like (64 rows per expert): every expert's weights decoded once per column tile
+    return Fp4GemmConfig(BM=64, BN=128, BK=128, num_warps=8, num_stages=4, swap=True, decode="asm")
+
+
+def fallback_chain(r: int, e: int, n: int, k: int, dtype: torch.dtype, device: torch.device) -> list[Fp4GemmConfig]:
+    """The default config, then known-good fast configs of the same regime (never the slow "manual" decode for bf16
+    x on the GPU). fp32 x and the interpreter: the default only."""
+    first = default_config(r, e, n, k, dtype, device)
+    if device.type != "cuda" or dtype != torch.bfloat16:
+        return [first]
+    known = [SCALED_EP4, SCALED_SMALL] if _is_ep4_like(r, e) else [SCALED_EP1, SCALED_SMALL]
+    return [first] + [c for c in known if c != first]
 
 
 @functools.lru_cache(maxsize=None)
@@ -246,10 +337,15 @@ def launch(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor, offs:
     if r == 0 or n == 0:
         return
     cfg = config or default_config(r, e, n, k, x.dtype, x.device)
-    if cfg.scaled_dot and x.dtype != torch.bfloat16:
-        raise ValueError(f"fp4_grouped_mm: config {cfg.name()} (tl.dot_scaled) needs bf16 x, got {x.dtype}")
+    if cfg.decode not in DECODES:
+        raise ValueError(f"fp4_grouped_mm: decode must be one of {DECODES}, got {cfg.decode!r}")
+    if cfg.decode != "manual" and x.dtype != torch.bfloat16:
+        raise ValueError(f"fp4_grouped_mm: config {cfg.name()} needs bf16 x (fp32 x: decode='manual'), got {x.dtype}")
     if cfg.BK % 32 or cfg.BK < 32:
         raise ValueError(f"fp4_grouped_mm: BK must be a multiple of 32, got {cfg.BK}")
+    if out.shape != (r, n) or out.dtype != x.dtype or out.stride(1) != 1:
+        raise ValueError(f"fp4_grouped_mm: out must be [{r}, {n}] {x.dtype} with unit column stride, got "
+                         f"{tuple(out.shape)} {out.dtype} strides {out.stride()}")
     n_tiles = triton.cdiv(n, cfg.BN)
     max_tiles = (r // cfg.BM + e + 1) * n_tiles  # bound on sum_e cdiv(rows_e, BM), incl. the virtual expert
     if cfg.progs is not None:
@@ -259,13 +355,55 @@ def launch(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor, offs:
     else:
         progs = 4
     progs = max(1, min(progs, max_tiles))
+    # one compiled kernel for every expert count up to 511 on the GPU (the cost is a few 512-wide reductions)
+    e_pow2 = triton.next_power_of_2(e + 1) if interpreting() else max(512, triton.next_power_of_2(e + 1))
+    even_k = k % cfg.BK == 0
+    scale32 = (k % 128 == 0 and cfg.BK <= 128 and w_scale.stride(0) % 4 == 0 and w_scale.stride(1) % 4 == 0
+               and w_scale.data_ptr() % 4 == 0)
     _fp4_grouped_mm_kernel[(progs,)](
         x, w_packed.view(torch.uint8), w_scale.view(torch.uint8), offs, out,
         r, n, k, e, progs,
         x.stride(0), w_packed.stride(0), w_packed.stride(1), w_scale.stride(0), w_scale.stride(1), out.stride(0),
-        BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, E_POW2=triton.next_power_of_2(e + 1),
-        SWAP=cfg.swap, SCALED_DOT=cfg.scaled_dot, EVEN_K=k % cfg.BK == 0, IS_FP32=x.dtype == torch.float32,
-        INTERPRET=interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, E_POW2=e_pow2, SWAP=cfg.swap, DECODE=DECODES.index(cfg.decode),
+        EVEN_K=even_k, SCALE32=scale32, IS_FP32=x.dtype == torch.float32, INTERPRET=interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+_GOOD: set[tuple] = set()  # (config, dtype, device type) that compiled and launched
+_BAD: set[tuple] = set()  # ... that failed to compile/launch: never retried (a retry costs a failed compile, ~20 ms)
+
+
+def _launch_with_fallback(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor, offs: torch.Tensor,
+                          out: torch.Tensor) -> Fp4GemmConfig:
+    """Run the first config of ``fallback_chain`` that is not known to fail. A config that fails to compile or launch
+    (Triton versions differ in ``dot_scaled``/inline-asm support and shared-memory use) is remembered as bad, with
+    one warning, and the next known-good config runs. The last config of the chain re-raises. Returns the config."""
+    r, k = x.shape
+    chain = fallback_chain(r, w_packed.shape[0], w_packed.shape[1], k, x.dtype, x.device)
+    live = [c for c in chain if (c, x.dtype, x.device.type) not in _BAD] or chain[-1:]
+    for i, c in enumerate(live):
+        key = (c, x.dtype, x.device.type)
+        if key in _GOOD or i == len(live) - 1:
+            launch(x, w_packed, w_scale, offs, out, c)
+            _GOOD.add(key)
+            return c
+        try:
+            launch(x, w_packed, w_scale, offs, out, c)
+            _GOOD.add(key)
+            return c
+        except Exception as err:  # compile-time failure of this config only (a known-good config re-raises above)
+            _BAD.add(key)
+            warnings.warn(f"fp4_grouped_mm: config {c.name()} failed ({type(err).__name__}: {str(err)[-300:]}); "
+                          f"falling back to {live[i + 1].name()}")
+    raise AssertionError("unreachable")
+
+
+def chosen_config(x: torch.Tensor, w_packed: torch.Tensor) -> Fp4GemmConfig | None:
+    """The config the op runs for these shapes now (after any fallback), or None before its first launch."""
+    r, k = x.shape
+    for c in fallback_chain(r, w_packed.shape[0], w_packed.shape[1], k, x.dtype, x.device):
+        if (c, x.dtype, x.device.type) in _GOOD:
+            return c
+    return None
 
 
 def _check(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor, offs: torch.Tensor) -> None:
@@ -309,7 +447,7 @@ def _fp4_grouped_mm_op(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.T
                            f"TRITON_INTERPRET=1 (got {x.device}); use backend='ref'")
     x, w_packed, w_scale = _unit_last(x), _unit_last(w_packed), _unit_last(w_scale)
     out = torch.empty(x.shape[0], w_packed.shape[1], dtype=x.dtype, device=x.device)
-    launch(x, w_packed, w_scale, offs.contiguous(), out)
+    _launch_with_fallback(x, w_packed, w_scale, offs.contiguous(), out)
     return out
 
 

@@ -3,7 +3,7 @@
 Replaces (pass target E, ``minidi.model.moe.gate_logits_fp32``), a plain fp32 GEMM that runs on CUDA cores (or, with
 TF32 allowed, loses 13 mantissa bits and flips expert choices).
 
-Split-precision products, all accumulated in one fp32 accumulator:
+Split-precision products per K block, summed across K blocks with IEEE fp32 adds (see "Accumulation" below):
 
 - An fp32 operand is split a = a_hi + a_lo with a_hi = tf32(a) (round to nearest, 10 mantissa bits) and
   a_lo = tf32(a - a_hi) (also pre-rounded, so the hardware's truncation to tf32 is a no-op). |a - a_hi - a_lo| <=
@@ -15,7 +15,22 @@ Split-precision products, all accumulated in one fp32 accumulator:
                                                       |residual| <= 2^-24 |x|, bf16 wgmma runs at 2x the tf32 rate)
     (bf16, fp32): x @ w_hi + x @ w_lo                 2 tf32 dots
     (fp32, fp32): x_hi @ w_hi + x_hi @ w_lo + x_lo @ w_hi   3 tf32 dots (the classic 3xTF32)
-  Small terms are added first.
+  Small terms are added first. x_split="tf32x3_builtin" instead upcasts both operands and uses Triton's own
+  ``tl.dot(..., input_precision="tf32x3")`` (3 tf32 dots whatever the dtypes; a comparison variant for the bench).
+
+Accumulation (why the split alone is not enough on Hopper): the tensor core's fp32 accumulation is not IEEE. Each MMA
+step aligns its products and the accumulator to the largest exponent and truncates the low bits (round toward zero,
+no guard bits), so a long chain of MMAs into one accumulator of magnitude |c| loses up to ~1 ulp(|c|) per step, with
+a bias that adds up linearly. First H200 round (one accumulator over all of D = 5,120): rel err 1.8e-5 (bf16x3, 960
+MMA steps of k 16), 2.8e-5 (2 tf32 dots, 1,280 steps of k 8), 4.4e-5 (3 tf32 dots, 1,920 steps): ~2.2e-8 per step,
+whatever the operands (bf16 pieces are exact, so the operand split was not the cause). The fix is the promotion of
+DeepSeek-V3's FP8 GEMM: each K block's dots go to a fresh accumulator ``part`` (<= 24 MMA steps, |part| ~
+|logit| / sqrt(D / BLOCK_K)), then ``acc += part`` in registers with a round-to-nearest fp32 add (D / BLOCK_K adds).
+Bound: ~0.5 ulp(|logit|) * sqrt(D / BLOCK_K) random-signed plus the short chains' truncation, ~1e-6 of max |logit| at
+D 5,120 (the plain fp32 matmul: 5e-7), 10x under the 1e-5 target. Triton's combine pass rewrites ``acc + dot(a, b,
+0)`` into ``dot(a, b, acc)`` (undoing the promotion), so a single-dot block is written ``acc -= dot(-a, b)``
+(negation is exact; there is no subf pattern) and chained blocks end in a dot whose accumulator is not zero. The CPU
+interpreter's dots are exact fp32, so only the GPU tests see the accumulation; the CPU tests check the split algebra.
 
 Tiling: one program per [BLOCK_M tokens, BLOCK_N experts] output tile, K loop over D in BLOCK_K steps; programs walk
 N fastest so the E / BLOCK_N programs that share an x tile run together and x is read from DRAM about once.
@@ -34,7 +49,7 @@ import triton.language as tl
 from ._triton_utils import check_backend, interpreting, triton_can_run
 
 IN_DTYPES = (torch.bfloat16, torch.float32)
-X_SPLITS = ("tf32", "bf16x3")
+X_SPLITS = ("tf32", "bf16x3", "tf32x3_builtin")
 
 
 # ---- reference -----------------------------------------------------------------------------------------------------
@@ -55,9 +70,15 @@ def _tf32_round(a):
 
 @triton.jit
 def _gate_kernel(x_ptr, w_ptr, o_ptr, T, E, D, sx_t, sw_e, so_t,
-                 X_EXACT: tl.constexpr, W_EXACT: tl.constexpr, X_BF16X3: tl.constexpr, INTERPRET: tl.constexpr,
+                 X_EXACT: tl.constexpr, W_EXACT: tl.constexpr, SPLIT: tl.constexpr, INTERPRET: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """o[t, e] = sum_d x[t, d] * w[e, d] in fp32 (X_EXACT / W_EXACT: the operand is bf16, its lo part is 0)."""
+    """o[t, e] = sum_d x[t, d] * w[e, d] in fp32 (X_EXACT / W_EXACT: the operand is bf16, its lo part is 0).
+
+    SPLIT: 0 tf32 hi/lo split, 1 bf16x3 split of an fp32 x, 2 Triton's built-in ``input_precision="tf32x3"``.
+    Each K block's products go to a fresh MMA accumulator ``part`` (a short chain), then ``acc += part`` with an
+    IEEE fp32 add (promotion, see the module docstring). A single-dot block is written ``acc -= dot(-a, b)``: Triton's
+    combine pass folds ``acc + dot(a, b, 0)`` back into ``dot(a, b, acc)`` (the long truncating chain), not a subf.
+    """
     n_n = tl.cdiv(E, BLOCK_N)
     pid = tl.program_id(0)
     pid_m = pid // n_n
@@ -69,40 +90,44 @@ def _gate_kernel(x_ptr, w_ptr, o_ptr, T, E, D, sx_t, sw_e, so_t,
     w_ptrs = w_ptr + rn.to(tl.int64)[None, :] * sw_e + rk[:, None]  # [BK, BN] (w^T tile)
     m_ok = (rm < T)[:, None]
     n_ok = (rn < E)[None, :]
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # IEEE fp32 sum of the per-block partials
     for k0 in range(0, D, BLOCK_K):
         k_ok = rk + k0 < D
         a = tl.load(x_ptrs, mask=m_ok & k_ok[None, :], other=0.0)
         b = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok, other=0.0)
-        if X_EXACT and W_EXACT:  # bf16 x bf16: exact products, fp32 accumulation
+        if SPLIT == 2:  # Triton's 3xTF32 (both operands as fp32; 3 tf32 dots)
+            acc -= tl.dot(-a.to(tl.float32), b.to(tl.float32), input_precision="tf32x3")
+        elif X_EXACT and W_EXACT:  # bf16 x bf16: exact products, one dot
             if INTERPRET:
-                acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+                acc -= tl.dot(-a.to(tl.float32), b.to(tl.float32))
             else:
-                acc = tl.dot(a, b, acc)
-        elif X_BF16X3 and W_EXACT:  # fp32 x bf16: x = x0 + x1 + x2 in bf16
+                acc -= tl.dot(-a, b)
+        elif SPLIT == 1 and W_EXACT:  # fp32 x bf16: x = x0 + x1 + x2 in bf16, small terms first
             a0 = a.to(tl.bfloat16)
             r = a - a0.to(tl.float32)
             a1 = r.to(tl.bfloat16)
             a2 = (r - a1.to(tl.float32)).to(tl.bfloat16)
             if INTERPRET:
                 bf = b.to(tl.float32)
-                acc = tl.dot(a2.to(tl.float32), bf, acc)
-                acc = tl.dot(a1.to(tl.float32), bf, acc)
-                acc = tl.dot(a0.to(tl.float32), bf, acc)
+                part = tl.dot(a2.to(tl.float32), bf)
+                part = tl.dot(a1.to(tl.float32), bf, part)
+                part = tl.dot(a0.to(tl.float32), bf, part)
             else:
-                acc = tl.dot(a2, b, acc)
-                acc = tl.dot(a1, b, acc)
-                acc = tl.dot(a0, b, acc)
-        else:  # tf32 split products; a bf16 operand is its own hi part
+                part = tl.dot(a2, b)
+                part = tl.dot(a1, b, part)
+                part = tl.dot(a0, b, part)
+            acc += part  # (the last dot's accumulator is not 0: not folded)
+        else:  # tf32 split products (hi, lo exact in tf32); a bf16 operand is its own hi part; small terms first
             af = a.to(tl.float32)
             bf = b.to(tl.float32)
             a_hi = af if X_EXACT else _tf32_round(af)
             b_hi = bf if W_EXACT else _tf32_round(bf)
+            part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             if not W_EXACT:
-                acc = tl.dot(a_hi, _tf32_round(bf - b_hi), acc, input_precision="tf32")
+                part = tl.dot(a_hi, _tf32_round(bf - b_hi), part, input_precision="tf32")
             if not X_EXACT:
-                acc = tl.dot(_tf32_round(af - a_hi), b_hi, acc, input_precision="tf32")
-            acc = tl.dot(a_hi, b_hi, acc, input_precision="tf32")
+                part = tl.dot(_tf32_round(af - a_hi), b_hi, part, input_precision="tf32")
+            acc += tl.dot(a_hi, b_hi, part, input_precision="tf32")
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     o_ptrs = o_ptr + rm.to(tl.int64)[:, None] * so_t + rn[None, :]
@@ -110,9 +135,9 @@ def _gate_kernel(x_ptr, w_ptr, o_ptr, T, E, D, sx_t, sw_e, so_t,
 
 
 # ---- launcher ------------------------------------------------------------------------------------------------------
-def default_config(t: int, e: int, d: int, x_dtype: torch.dtype, w_dtype: torch.dtype) -> dict:
+def default_config(t: int, e: int, d: int, x_dtype: torch.dtype, w_dtype: torch.dtype, x_split: str = "tf32") -> dict:
     """Tile shape: 64 x 128 x 64 (192 programs at T 4,096, E 384: enough for 132 SMs), fewer stages for fp32 tiles."""
-    fp32 = x_dtype == torch.float32 or w_dtype == torch.float32
+    fp32 = x_dtype == torch.float32 or w_dtype == torch.float32 or x_split == "tf32x3_builtin"
     return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=32 if fp32 else 64, num_warps=4, num_stages=3 if fp32 else 4)
 
 
@@ -122,11 +147,11 @@ def launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, x_split: st
     e = weight.shape[0]
     if not (t and e):
         return
-    cfg = default_config(t, e, d, x.dtype, weight.dtype) | config
+    cfg = default_config(t, e, d, x.dtype, weight.dtype, x_split) | config
     grid = (triton.cdiv(t, cfg["BLOCK_M"]) * triton.cdiv(e, cfg["BLOCK_N"]),)
     _gate_kernel[grid](x, weight, out, t, e, d, x.stride(0), weight.stride(0), out.stride(0),
                        X_EXACT=x.dtype == torch.bfloat16, W_EXACT=weight.dtype == torch.bfloat16,
-                       X_BF16X3=x_split == "bf16x3", INTERPRET=interpreting(),
+                       SPLIT=X_SPLITS.index(x_split), INTERPRET=interpreting(),
                        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
                        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
@@ -154,7 +179,7 @@ def gate_tf32x3(x: torch.Tensor, weight: torch.Tensor, backend: str = "triton", 
 
     x [T, D] bf16/fp32, weight [E, D] bf16/fp32 -> [T, E] fp32 = x.float() @ weight.float().T, error at fp32 level
     (<= ~1e-6 of max |logit| on random data). ``x_split`` picks how an fp32 x meets a bf16 weight: "tf32" (2 tf32
-    dots) or "bf16x3" (3 bf16 dots).
+    dots) or "bf16x3" (3 bf16 dots); "tf32x3_builtin" uses Triton's ``input_precision="tf32x3"`` (3 tf32 dots).
     """
     check_backend(backend)
     if x.dim() != 2 or x.dtype not in IN_DTYPES:

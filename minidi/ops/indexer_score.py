@@ -11,9 +11,12 @@ of the block's visible ranges [k_start, k_end) are not computed (-inf is written
 sequence loops over exactly its keys; a block that straddles sequences computes the union and masks per query.
 Programs are ordered query-block-fastest so those in flight share one key range in L2.
 
+With ``want_cmax`` the kernel also writes each query's max over each key block ([T, cdiv(N, BN)]): the bound that
+lets the top-k read only ~1/4 of each row (minidi/ops/topk.py).
+
 Score dtype: fp32 by default (see docs/ops/indexer.md): fp32 accumulation of exact bf16 products, no intermediate
-rounding; bf16 output is available (``out_dtype``) but quantises scores to 8 bits, which turns the top-k threshold
-into ~10-way ties at n = 131,072.
+rounding; bf16 output is available (``out_dtype``) but quantises scores to 8 bits, which turns the top-512 threshold
+into a 15-35-way tie at N = 131,072.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import triton
 import triton.language as tl
 
 from ._triton_utils import check_backend, dot, interpreting, triton_can_run
-from .topk import _launch_topk, topk_indices_ref
+from .topk import topk_indices_ref
 
 _QK_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -35,6 +38,28 @@ def _mma(a, b, acc, IEEE: tl.constexpr, INTERPRET: tl.constexpr):
     if IEEE:
         return tl.dot(a, b, acc, input_precision="ieee")
     return dot(a, b, acc, INTERPRET)
+
+
+@triton.jit
+def _block(k_ptrs, kmask, qT, w, n, ks, ke, out_ptrs, smask, cmax_ptrs, tmask,
+           QB: tl.constexpr, HP: tl.constexpr, BN: tl.constexpr, MASKED: tl.constexpr, KMASK: tl.constexpr,
+           WRITE_CMAX: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr):
+    """One key block: k [BN, DP] @ q^T [DP, QB*HP] -> relu, * w, sum over each query's heads -> [BN, QB]; store
+    it, and (WRITE_CMAX) each query's max over the block [QB] for the top-k bound.
+    MASKED=False is the fast path (every key of the block visible to every query: no masks on loads or scores)."""
+    if KMASK:
+        kt = tl.load(k_ptrs, mask=kmask, other=0.0)
+    else:
+        kt = tl.load(k_ptrs)
+    acc = _mma(kt, qT, tl.zeros((BN, QB * HP), dtype=tl.float32), IEEE, INTERPRET)  # [BN, QB*HP]
+    s = tl.maximum(acc, 0.0) * w[None, :]
+    s = tl.sum(tl.reshape(s, (BN, QB, HP)), axis=2)  # [BN, QB]
+    if MASKED:
+        s = tl.where((n[:, None] >= ks[None, :]) & (n[:, None] < ke[None, :]), s, float("-inf"))
+    s = s.to(out_ptrs.dtype.element_ty)
+    tl.store(out_ptrs, s, mask=smask)
+    if WRITE_CMAX:
+        tl.store(cmax_ptrs, tl.max(s.to(tl.float32), axis=0), mask=tmask)
 
 
 @triton.jit
@@ -65,42 +90,52 @@ def _score_kernel(
 
     tq = t0 + tl.arange(0, QB)  # [QB]
     tmask = tq < T
-    ks = tl.maximum(tl.load(ks_ptr + tq, mask=tmask, other=N).to(tl.int32), 0)  # [QB]
+    ks = tl.maximum(tl.load(ks_ptr + tq, mask=tmask, other=0).to(tl.int32), 0)  # [QB]
     ke = tl.minimum(tl.load(ke_ptr + tq, mask=tmask, other=0).to(tl.int32), N)  # [QB]
-    lo = tl.min(ks, axis=0)
+    lo = tl.min(tl.where(tmask, ks, N), axis=0)  # union of the visible ranges: [lo, hi)
     hi = tl.max(ke, axis=0)
+    f_lo = tl.max(ks, axis=0)  # intersection: [f_lo, f_hi)
+    f_hi = tl.min(tl.where(tmask, ke, N), axis=0)
 
-    nb1 = tl.minimum((pid_n + 1) * blocks_per_prog, tl.cdiv(N, BN))
     nb0 = pid_n * blocks_per_prog
-    cb0 = tl.minimum(tl.maximum(nb0, lo // BN), nb1)  # computed blocks [cb0, cb1): they meet [lo, hi)
+    nb1 = tl.minimum(nb0 + blocks_per_prog, tl.cdiv(N, BN))
+    cb0 = tl.minimum(tl.maximum(nb0, lo // BN), nb1)  # computed blocks [cb0, cb1) meet the union
     cb1 = tl.maximum(tl.minimum(nb1, tl.cdiv(hi, BN)), cb0)
+    fb0 = tl.minimum(tl.maximum(cb0, tl.cdiv(f_lo, BN)), cb1)  # fast blocks [fb0, fb1) lie inside the intersection
+    fb1 = tl.maximum(tl.minimum(cb1, f_hi // BN), fb0)
 
+    rn = tl.arange(0, BN)
     out_rows = out_ptr + tq[None, :].to(tl.int64) * stride_ot  # [1, QB]
-    neg = tl.full((BN, QB), float("-inf"), tl.float32)
-    cm = tl.full((BN, QB), float("-inf"), tl.float32)  # running max over this program's keys j = i mod BN
-    for nb in range(nb0, cb0):
-        n = nb * BN + tl.arange(0, BN)
-        tl.store(out_rows + n[:, None], neg.to(out_ptr.dtype.element_ty), mask=(n[:, None] < N) & tmask[None, :])
-    for nb in range(cb0, cb1):
-        n = nb * BN + tl.arange(0, BN)  # [BN]
-        kt = tl.load(
-            k_ptr + n[:, None].to(tl.int64) * stride_kn + d[None, :],
-            mask=(n[:, None] < N) & (d[None, :] < D), other=0.0,
-        )  # [BN, DP]
-        acc = _mma(kt, qT, tl.zeros((BN, QH), dtype=tl.float32), IEEE, INTERPRET)  # [BN, QH]
-        s = tl.maximum(acc, 0.0) * w[None, :]
-        s = tl.sum(tl.reshape(s, (BN, QB, HP)), axis=2)  # [BN, QB]
-        vis = (n[:, None] >= ks[None, :]) & (n[:, None] < ke[None, :])
-        s = tl.where(vis, s, float("-inf")).to(out_ptr.dtype.element_ty)
-        tl.store(out_rows + n[:, None], s, mask=(n[:, None] < N) & tmask[None, :])
+    smask = tmask[None, :]
+    neg = tl.full((BN, QB), float("-inf"), tl.float32).to(out_ptr.dtype.element_ty)
+    cmax_rows = cmax_ptr + tq.to(tl.int64) * stride_ct  # [QB]: chunk maxima, one per key block
+    for nb in range(nb0, cb0):  # invisible to every query of the block
+        n = nb * BN + rn
+        tl.store(out_rows + n[:, None], neg, mask=(n[:, None] < N) & smask)
         if WRITE_CMAX:
-            cm = tl.maximum(cm, s.to(tl.float32))
+            tl.store(cmax_rows + nb, tl.full((QB,), float("-inf"), tl.float32), mask=tmask)
+    for nb in range(cb0, fb0):
+        n = nb * BN + rn
+        _block(k_ptr + n[:, None].to(tl.int64) * stride_kn + d[None, :], (n[:, None] < N) & (d[None, :] < D),
+               qT, w, n, ks, ke, out_rows + n[:, None], (n[:, None] < N) & smask, cmax_rows + nb, tmask,
+               QB, HP, BN, True, True, WRITE_CMAX, IEEE, INTERPRET)
+    k_ptrs = k_ptr + (fb0 * BN + rn)[:, None].to(tl.int64) * stride_kn + d[None, :]  # [BN, DP]
+    out_ptrs = out_rows + (fb0 * BN + rn)[:, None]  # [BN, QB]
+    for nb in range(fb0, fb1):  # fast path: pointer bumps, no masks
+        _block(k_ptrs, d[None, :] < D, qT, w, rn, ks, ke, out_ptrs, smask, cmax_rows + nb, tmask,
+               QB, HP, BN, False, D != DP, WRITE_CMAX, IEEE, INTERPRET)
+        k_ptrs += BN * stride_kn
+        out_ptrs += BN
+    for nb in range(fb1, cb1):
+        n = nb * BN + rn
+        _block(k_ptr + n[:, None].to(tl.int64) * stride_kn + d[None, :], (n[:, None] < N) & (d[None, :] < D),
+               qT, w, n, ks, ke, out_rows + n[:, None], (n[:, None] < N) & smask, cmax_rows + nb, tmask,
+               QB, HP, BN, True, True, WRITE_CMAX, IEEE, INTERPRET)
     for nb in range(cb1, nb1):
-        n = nb * BN + tl.arange(0, BN)
-        tl.store(out_rows + n[:, None], neg.to(out_ptr.dtype.element_ty), mask=(n[:, None] < N) & tmask[None, :])
-    if WRITE_CMAX:  # max over the disjoint sets {j = i mod BN in this key range}: a lower bound for the top-k
-        c = pid_n * BN + tl.arange(0, BN)
-        tl.store(cmax_ptr + tq[None, :].to(tl.int64) * stride_ct + c[:, None], cm, mask=tmask[None, :])
+        n = nb * BN + rn
+        tl.store(out_rows + n[:, None], neg, mask=(n[:, None] < N) & smask)
+        if WRITE_CMAX:
+            tl.store(cmax_rows + nb, tl.full((QB,), float("-inf"), tl.float32), mask=tmask)
 
 
 @triton.jit
@@ -142,6 +177,13 @@ def _pow2(x: int, lo: int = 1) -> int:
     return max(lo, triton.next_power_of_2(int(x)))
 
 
+def _record(info: dict | None, kern, grid: int) -> None:
+    """Registers / spills / shared memory of a launched kernel (None under the interpreter)."""
+    if info is not None:
+        info.update(grid=grid, n_regs=getattr(kern, "n_regs", None), n_spills=getattr(kern, "n_spills", None),
+                    shared=getattr(getattr(kern, "metadata", None), "shared", None))
+
+
 def default_score_config(h: int, dtype: torch.dtype) -> dict:
     """Tile config for the dense kernel (H200-tuned; tests on the interpreter use smaller tiles)."""
     hp = _pow2(h)
@@ -149,10 +191,14 @@ def default_score_config(h: int, dtype: torch.dtype) -> dict:
         return dict(BN=32, QB=max(1, 16 // hp), num_warps=4, num_stages=1, blocks_per_prog=4)
     if dtype == torch.float32:  # exact fp32 products: slow path, only for checks
         return dict(BN=64, QB=max(1, 64 // hp), num_warps=4, num_stages=2, blocks_per_prog=64)
-    return dict(BN=128, QB=max(1, 128 // hp), num_warps=8, num_stages=3, blocks_per_prog=128)
+    # 64 keys x (QB*H = 128) rows, one warpgroup: ~140 registers, 81 KB smem -> 2 CTAs per SM, so one CTA's epilogue
+    # (CUDA cores) overlaps the other's wgmma; 128 blocks per program -> 8,192 keys (2 MB of bf16 K) per L2 sweep.
+    return dict(BN=64, QB=max(1, 128 // hp), num_warps=4, num_stages=3, blocks_per_prog=128)
 
 
-def _launch_score(q, k, w, k_start, k_end, out_dtype, want_cmax, **cfg):
+def _launch_score(q, k, w, k_start, k_end, out_dtype, want_cmax, out=None, cmax=None, info=None, **cfg):
+    """Launch the dense kernel; ``out`` / ``cmax`` let tests pass poisoned buffers, ``info`` (a dict) receives the
+    compiled kernel's registers / spills / shared memory and the grid. Returns (scores, chunk maxima [T, N/BN])."""
     t, h, d = q.shape
     n = k.shape[0]
     c = {**default_score_config(h, q.dtype), **cfg}
@@ -160,16 +206,18 @@ def _launch_score(q, k, w, k_start, k_end, out_dtype, want_cmax, **cfg):
     hp = _pow2(h)
     if qb * hp < 16 or bn < 16:
         raise ValueError(f"tile too small for tl.dot: QB*HP={qb * hp}, BN={bn} (need >= 16)")
-    out = torch.empty(t, n, device=q.device, dtype=out_dtype)
     n_qblocks = triton.cdiv(t, qb)
     n_split = max(1, triton.cdiv(triton.cdiv(n, bn), bpp))
-    cmax = torch.empty(t, n_split * bn if want_cmax else 0, device=q.device, dtype=torch.float32)
+    if out is None:
+        out = torch.empty(t, n, device=q.device, dtype=out_dtype)
+    if cmax is None:
+        cmax = torch.empty(t, triton.cdiv(n, bn) if want_cmax else 0, device=q.device, dtype=torch.float32)
     if t == 0 or n == 0:
         return out, cmax
     q = q if q.stride(-1) == 1 else q.contiguous()
     k = (k if k.dtype == q.dtype else k.to(q.dtype)).contiguous()
     w = w if w.stride(-1) == 1 else w.contiguous()
-    _score_kernel[(n_qblocks * n_split,)](
+    kern = _score_kernel[(n_qblocks * n_split,)](
         q, k, w, k_start.contiguous(), k_end.contiguous(), out, cmax,
         t, n, h, n_qblocks, bpp,
         q.stride(0), q.stride(1), k.stride(0), w.stride(0), out.stride(0), max(cmax.stride(0), 1),
@@ -177,16 +225,19 @@ def _launch_score(q, k, w, k_start, k_end, out_dtype, want_cmax, **cfg):
         IEEE=q.dtype == torch.float32, INTERPRET=interpreting(),
         num_warps=c["num_warps"], num_stages=c["num_stages"],
     )
+    _record(info, kern, n_qblocks * n_split)
     return out, cmax
 
 
-def _launch_cand(q, k, w, cand_blocks, block_size, k_start, k_end, BC=None, cols_per_prog=None, num_warps=None,
-                 num_stages=None):
+def _launch_cand(q, k, w, cand_blocks, block_size, k_start, k_end, scores=None, kidx=None, BC=None, cols_per_prog=None,
+                 num_warps=None, num_stages=None, info=None):
     t, h, d = q.shape
     n, c = k.shape[0], cand_blocks.shape[1]
     ncols = c * block_size
-    scores = torch.empty(t, ncols, device=q.device, dtype=torch.float32)
-    kidx = torch.empty(t, ncols, device=q.device, dtype=torch.int64)
+    if scores is None:
+        scores = torch.empty(t, ncols, device=q.device, dtype=torch.float32)
+    if kidx is None:
+        kidx = torch.empty(t, ncols, device=q.device, dtype=torch.int64)
     if t == 0 or ncols == 0:
         return scores, kidx
     interp = interpreting()
@@ -196,13 +247,14 @@ def _launch_cand(q, k, w, cand_blocks, block_size, k_start, k_end, BC=None, cols
     k = (k if k.dtype == q.dtype else k.to(q.dtype)).contiguous()
     w = w if w.stride(-1) == 1 else w.contiguous()
     cand_blocks = cand_blocks.contiguous()
-    _cand_kernel[(t, triton.cdiv(ncols, cpp))](
+    kern = _cand_kernel[(t, triton.cdiv(ncols, cpp))](
         q, k, w, cand_blocks, k_start.contiguous(), k_end.contiguous(), scores, kidx,
         t, n, h, c, block_size, ncols, cpp,
         q.stride(0), q.stride(1), k.stride(0), w.stride(0), cand_blocks.stride(0), scores.stride(0), kidx.stride(0),
         D=d, DP=_pow2(d, 16), HP=_pow2(h, 16), BC=bc, IEEE=q.dtype == torch.float32, INTERPRET=interp,
         num_warps=num_warps or 4, num_stages=num_stages or (1 if interp else 3),
     )
+    _record(info, kern, t * triton.cdiv(ncols, cpp))
     return scores, kidx
 
 
@@ -219,9 +271,8 @@ def _indexer_score_op(
 def _(q, k, w, k_start, k_end, out_dtype, want_cmax):
     t, h, _ = q.shape
     n = k.shape[0]
-    c = default_score_config(h, q.dtype)
-    n_split = max(1, triton.cdiv(triton.cdiv(n, c["BN"]), c["blocks_per_prog"]))
-    return q.new_empty(t, n, dtype=out_dtype), q.new_empty(t, n_split * c["BN"] if want_cmax else 0,
+    bn = default_score_config(h, q.dtype)["BN"]
+    return q.new_empty(t, n, dtype=out_dtype), q.new_empty(t, triton.cdiv(n, bn) if want_cmax else 0,
                                                             dtype=torch.float32)
 
 
@@ -351,34 +402,33 @@ def indexer_score_candidates(
 
 
 def indexer_topk(
-    q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, n_visible: torch.Tensor, topk: int,
+    q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, k_start: torch.Tensor, k_end: torch.Tensor, topk: int,
     allowed: torch.Tensor | None = None, backend: str = "triton",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Drop-in for the model's ``indexer_topk_naive`` (same arguments, same return shapes).
 
-    q [T, H, D], k [N, D], w [T, H], n_visible [T] int, allowed [T, N] bool or None.
-    Returns (idx [T, min(topk, N)] int64, scores [T, N] fp32). idx holds the top-k set in ascending key order with
-    -1 padding at the end for picks whose score is -inf (the naive path returns the same set in descending score
-    order). Without ``allowed`` the score kernel also writes per-set maxima that give the top-k its threshold bound.
+    q [T, H, D], k [N, D], w [T, H], k_start/k_end [T] int, allowed [T, N] bool or None.
+    Returns (idx [T, min(topk, N)] int64, scores [T, N] fp32). idx holds the top-k set in ascending key order, then -1
+    for picks whose score is -inf (the naive path returns the same set in descending score order, and keeps the
+    index of a visible pick that ``allowed`` masked to -inf, which only happens when fewer than topk are allowed).
+    Without ``allowed`` the score kernel also writes each key block's max, which gives the top-k its bound.
     """
-    t = q.shape[0]
-    if n_visible.shape != (t,):
-        raise ValueError(f"n_visible must be [{t}], got shape {tuple(n_visible.shape)}")
-    k_start = torch.zeros_like(n_visible)
-    kk = min(topk, k.shape[0])
-    if allowed is not None and (allowed.shape != (t, k.shape[0]) or allowed.dtype != torch.bool):
-        raise ValueError(f"allowed must be [{t}, {k.shape[0]}] bool, got {tuple(allowed.shape)} {allowed.dtype}")
-    _check_common(q, k, w, k_start, n_visible, backend)
+    t, n = q.shape[0], k.shape[0]
+    kk = min(topk, n)
+    if allowed is not None and (allowed.shape != (t, n) or allowed.dtype != torch.bool):
+        raise ValueError(f"allowed must be [{t}, {n}] bool, got {tuple(allowed.shape)} {allowed.dtype}")
+    _check_common(q, k, w, k_start, k_end, backend)
     if backend == "ref":
-        scores = indexer_score_ref(q, k, w, k_start, n_visible)
+        scores = indexer_score_ref(q, k, w, k_start, k_end)
         if allowed is not None:
             scores = scores.masked_fill(~allowed, float("-inf"))
-        return topk_indices_ref(scores, kk, n_visible), scores
-    scores, cmax = _indexer_score_op(q, k, w, k_start, n_visible, torch.float32, allowed is None)
+        return topk_indices_ref(scores, kk, k_end, k_start), scores
+    scores, cmax = _indexer_score_op(q, k, w, k_start, k_end, torch.float32, allowed is None)
+    chunk = default_score_config(q.shape[1], q.dtype)["BN"]  # the score kernel's key block = one chunk
     if allowed is not None:
         scores = scores.masked_fill(~allowed, float("-inf"))
-        cmax = None
-    return _topk_op_call(scores, kk, n_visible, cmax), scores
+        cmax, chunk = None, 0
+    return torch.ops.minidi.topk_indices(scores, kk, k_start, k_end, cmax, chunk), scores
 
 
 def indexer_topk_candidates(
@@ -390,16 +440,11 @@ def indexer_topk_candidates(
     if backend == "ref":
         cols = topk_indices_ref(scores, topk)
     else:
-        cols = _topk_op_call(scores, topk, None, None)
+        cols = torch.ops.minidi.topk_indices(scores, topk, None, None, None, 0)
     return torch.where(cols >= 0, kidx.gather(1, cols.clamp(min=0)), -1)
-
-
-def _topk_op_call(scores, kk, k_end, cmax):
-    return torch.ops.minidi.topk_indices(scores, kk, None, k_end, cmax)
 
 
 __all__ = [
     "indexer_score", "indexer_score_candidates", "indexer_topk", "indexer_topk_candidates",
-    "indexer_score_ref", "indexer_score_candidates_ref", "default_score_config", "_launch_score", "_launch_cand",
-    "_launch_topk",
+    "indexer_score_ref", "indexer_score_candidates_ref", "default_score_config",
 ]

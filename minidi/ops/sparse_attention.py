@@ -7,14 +7,14 @@ Replaces (pass target A, ``minidi.model.sparse_attention.sparse_attention_naive`
     e = exp(s - max_real(s)); l = sum(e) + exp(sink - max)    # the sink joins the denominator only
     out = einsum(bf16(e).float(), keys.float()) / l           # [T, H, D], q's dtype
 
-with one kernel that never builds the [T, W+K, D] key tensor. One program per query token (and head block of
-BLOCK_H <= 64 heads): the heads are the M dimension of both tensor-core dots, and key rows are gathered by index,
-BLOCK_K slots per step, straight into the dot operands (window slots first, then compressed slots, in one loop).
-Each gathered row is both key and value, so a key block is read once per head block and used by both dots::
+with two launches and no [T, W+K, D] key tensor: a tiny kernel encodes both index lists into one int32 slot code
+per (query, slot) (window row r -> r, compressed row r -> r | 2^30, empty -> -1), then the attention kernel runs
+one program per query token (and head block of BLOCK_H <= 64 heads; ``nsplit`` programs per token split the output
+columns). The heads are the M dimension of both tensor-core dots; key rows are gathered by index, BLOCK_K slots per
+step, straight into shared memory (16-byte cp.async, software-pipelined), and each row is used as key and value::
 
     for each block of BLOCK_K slots:               # online softmax over blocks
-        idx = slot index (window | compressed), -1 / out of range = empty
-        Kb  = kv[idx]                              # [BK, D] gathered rows (zeros for empty slots)
+        Kb  = kv[rows of the block]                # [BK, D] gathered rows (zeros for empty slots)
         S   = Q @ Kb^T * scale                     # [BH, BK] fp32; -inf on empty slots
         m'  = max(m, rowmax S); a = exp(m - m')    # running max over real keys only
         E   = exp(S - m'); l = l*a + rowsum E      # fp32 denominator, unrounded like the naive path
@@ -25,12 +25,12 @@ Rounding: the naive path rounds exp(s - M) with the *final* max M; online softma
 rescales in fp32 (as FlashMLA, the official kernel, does). The two agree exactly when a block's running max is
 already the final max, and otherwise differ by bf16-rounding noise (~2^-9 relative per term, averaging out).
 
-Register budget (the design choice, see docs/ops/sparse_attention.md): the [64, 512] fp32 output accumulator is
-128 KB, more than one warpgroup can hold. ``nsplit=1`` keeps it in one program of 8 warps (two warpgroups, each owning
-half of D in the PV dot; Triton then computes Q@K^T redundantly in both, 1.5x MMA work but one gather per token);
-``nsplit=2`` runs two 4-warp programs per token, each owning half of D and both computing the full Q@K^T (1.5x MMA
-work and 2x gathers from L2); ``p_scratch`` passes P through a small per-program scratch so that Triton splits
-Q@K^T across the two warpgroups instead of duplicating it (1x MMA work; experimental).
+The register budget decides the design (docs/ops/sparse_attention.md): the [64, 512] fp32 accumulator is 128 KB,
+more than one warpgroup can hold, so two warpgroups must share it, each owning half of D. ``nsplit=1`` (8 warps):
+one program per token, rows gathered once; Triton gives a dot whose result feeds another dot a rows-only warp
+layout, so with 64 rows both warpgroups compute the full Q@K^T (1.5x the useful MMA work). ``nsplit=2`` (4 warps):
+two programs per token, each owning half of D and computing the full Q@K^T (also 1.5x, and every row gathered
+twice). Either way the kernel is capped at 2/3 of the tensor-core peak.
 
 Legend: T queries, H heads, D head dim, W window slots, K compressed slots, Nw / Nc cache rows,
 BH heads per program, BK key slots per step, BD = next_pow2(D), DV = BD / nsplit output columns per program.
@@ -100,12 +100,37 @@ def _round_p(e, ROUND_BF16: tl.constexpr, INTERPRET: tl.constexpr):
         return e
 
 
+# slot code: window row r -> r, compressed row r -> r | 2^30, empty -> -1 (rows < 2^30)
+COMP_BIT = tl.constexpr(30)
+COMP_FLAG = tl.constexpr(1 << 30)
+ROW_MASK = tl.constexpr((1 << 30) - 1)
+
+
+@triton.jit
+def _encode_slots_kernel(widx_ptr, cidx_ptr, code_ptr, W, K, Nw, Nc, BLOCK: tl.constexpr):
+    """code[t, :] = one int32 list over the concatenated slots (window, then compressed); one program per query.
+
+    Empty (-1) and out-of-range indices become -1. The attention kernel then reads one 4-byte code per slot instead
+    of two int64 indices, which saves it registers and instructions in its inner loop.
+    """
+    t = tl.program_id(0).to(tl.int64)
+    n = W + K
+    for start in range(0, n, BLOCK):
+        j = start + tl.arange(0, BLOCK)  # [BLOCK]
+        in_w = j < W
+        wi = tl.load(widx_ptr + t * W + j, mask=in_w, other=-1).to(tl.int64)
+        ci = tl.load(cidx_ptr + t * K + (j - W), mask=(j >= W) & (j < n), other=-1).to(tl.int64)
+        wi = tl.where((wi >= 0) & (wi < Nw), wi, -1)
+        ci = tl.where((ci >= 0) & (ci < Nc), ci + COMP_FLAG, -1)
+        tl.store(code_ptr + t * n + j, tl.where(in_w, wi, ci).to(tl.int32), mask=j < n)
+
+
 @triton.jit
 def _sparse_attention_kernel(
-    q_ptr, wkv_ptr, widx_ptr, ckv_ptr, cidx_ptr, sink_ptr, out_ptr, p_scr_ptr, a_scr_ptr,
-    H, W, K, Nw, Nc, n_tiles, scale, opaque,
+    q_ptr, kv_ptr, code_ptr, sink_ptr, out_ptr,
+    comp_off, H, n_keys, n_tiles, scale,
     D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
-    NSPLIT: tl.constexpr, P_SCRATCH: tl.constexpr, ROUND_BF16: tl.constexpr, IEEE: tl.constexpr,
+    NSPLIT: tl.constexpr, ROUND_BF16: tl.constexpr, IEEE: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
     """Tiles (token t, head block hb, D part) in that order, fastest last; a grid smaller than n_tiles loops."""
@@ -113,10 +138,8 @@ def _sparse_attention_kernel(
     nprog = tl.num_programs(0)
     DV: tl.constexpr = BLOCK_D // NSPLIT
     n_hb = tl.cdiv(H, BLOCK_H)
-    n_keys = W + K
     offs_k = tl.arange(0, BLOCK_K)  # [BK]
     offs_hl = tl.arange(0, BLOCK_H)  # [BH]
-    it = 0  # steps done by this program (scratch slot parity)
     for tile in range(pid, n_tiles, nprog):
         dpart = tile % NSPLIT
         hb = (tile // NSPLIT) % n_hb
@@ -124,29 +147,29 @@ def _sparse_attention_kernel(
         offs_h = hb * BLOCK_H + offs_hl  # [BH]
         h_ok = offs_h < H
         offs_d = dpart * DV + tl.arange(0, DV)  # [DV] own columns: PV output and one Q@K^T chunk
-        d_ok = offs_d < D
+        d_ok = (offs_d < D) | (D == BLOCK_D)  # constant-true when D fills the block: masks stay per row
         q_rows = (t * H + offs_h) * D  # [BH]
         q = tl.load(q_ptr + q_rows[:, None] + offs_d[None, :], mask=h_ok[:, None] & d_ok[None, :],
                     other=0.0)  # [BH, DV]
         if NSPLIT == 2:  # the other half of D, for Q@K^T only
             offs_o = (1 - dpart) * DV + tl.arange(0, DV)
-            o_ok = offs_o < D
+            o_ok = (offs_o < D) | (D == BLOCK_D)
             q_o = tl.load(q_ptr + q_rows[:, None] + offs_o[None, :], mask=h_ok[:, None] & o_ok[None, :],
                           other=0.0)  # [BH, DV]
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)  # running max over real keys
         l_i = tl.zeros([BLOCK_H], tl.float32)  # running denominator (unrounded exp)
         acc = tl.zeros([BLOCK_H, DV], tl.float32)
-        widx_row = widx_ptr + t * W
-        cidx_row = cidx_ptr + t * K
+        code_row = code_ptr + t * n_keys
         for start in range(0, n_keys, BLOCK_K):
-            j = start + offs_k  # [BK] slot in the concatenated list: window slots, then compressed
-            in_w = j < W
-            wi = tl.load(widx_row + j, mask=in_w, other=-1).to(tl.int64)
-            ci = tl.load(cidx_row + (j - W), mask=(j >= W) & (j < n_keys), other=-1).to(tl.int64)
-            idx = tl.where(in_w, wi, ci)
-            valid = (idx >= 0) & (idx < tl.where(in_w, Nw, Nc))  # out-of-range rows are empty, never read
-            rows = tl.where(valid, idx, 0)
-            base = tl.where(in_w, wkv_ptr, ckv_ptr) + rows * D  # [BK] row pointers
+            j = start + offs_k  # [BK] slots
+            code = tl.load(code_row + j, mask=j < n_keys, other=-1)  # [BK] int32 slot codes
+            valid = code >= 0
+            # Row pointers: both caches are addressed from kv_ptr (= window_kv), comp_kv sitting comp_off elements
+            # after it. The offset is arithmetic, not a select: Triton's alignment analysis then proves 16-byte
+            # rows and vectorises and software-pipelines the gather (a select of pointers or offsets turns it
+            # into a synchronous load).
+            roff = (code >> COMP_BIT).to(tl.int64) * comp_off + (code & ROW_MASK).to(tl.int64) * D
+            base = kv_ptr + roff  # [BK] row pointers (garbage, never read, for empty slots)
             kb = tl.load(base[:, None] + offs_d[None, :], mask=valid[:, None] & d_ok[None, :],
                          other=0.0)  # [BK, DV]
             s = _mma(q, tl.trans(kb), tl.zeros([BLOCK_H, BLOCK_K], tl.float32), IEEE, INTERPRET)  # [BH, BK]
@@ -160,24 +183,9 @@ def _sparse_attention_kernel(
             e = tl.exp(s - m_use[:, None])  # [BH, BK]
             l_i = l_i * alpha + tl.sum(e, 1)
             p = _round_p(e, ROUND_BF16, INTERPRET)  # [BH, BK]
-            if P_SCRATCH:
-                # Hand P and alpha to the PV dot through memory: with no SSA path from the first dot to the second,
-                # Triton splits Q@K^T across the warpgroups instead of computing it in each (chained-dot layout).
-                slot = pid.to(tl.int64) * 2 + it % 2  # alternate slots: a slot is rewritten only after a barrier
-                p_offs = offs_hl[:, None] * BLOCK_K + offs_k[None, :]
-                tl.store(p_scr_ptr + slot * (BLOCK_H * BLOCK_K) + p_offs, p)
-                tl.store(a_scr_ptr + slot * BLOCK_H + offs_hl, alpha)
-                tl.debug_barrier()
-                if opaque > 0:  # always true; hides the loads from the software pipeliner (no early issue)
-                    p = tl.load(p_scr_ptr + slot * (BLOCK_H * BLOCK_K) + p_offs)
-                    alpha = tl.load(a_scr_ptr + slot * BLOCK_H + offs_hl)
-                else:
-                    p = tl.zeros([BLOCK_H, BLOCK_K], p_scr_ptr.dtype.element_ty)
-                    alpha = tl.zeros([BLOCK_H], tl.float32)
             acc = acc * alpha[:, None]
             acc = _mma(p, kb, acc, IEEE, INTERPRET)  # [BH, DV]
             m_i = m_new
-            it += 1
         sink = tl.load(sink_ptr + offs_h, mask=h_ok, other=0.0)
         denom = l_i + tl.exp(sink - m_i)  # sink in the denominator only; no real key: exp(+inf), out = 0
         out = acc / denom[:, None]
@@ -197,27 +205,43 @@ def _num_sms(device: torch.device) -> int:
 
 
 def default_config(h: int, d: int, dtype: torch.dtype, on_gpu: bool) -> dict:
-    """Launch config: BLOCK_H, BLOCK_K, nsplit, p_scratch, persistent, num_warps, num_stages.
+    """Launch config: BLOCK_H, BLOCK_K, nsplit, persistent, num_warps, num_stages.
 
-    GPU, bf16: one 8-warp program per token and 64-head block, 64 keys per step (Q 64 KB + 2 x 64 KB key buffers in
-    shared memory). Interpreter: small blocks (its cost grows with the tile sizes, not with the number of warps).
+    GPU, bf16: one 8-warp program per token and 64-head block, 64 keys per step; shared memory holds Q (64 KB) and
+    two key buffers (2 x 64 KB); num_stages=2 (the gather one step ahead) measured 2.5% faster than 3 on the H200.
+    Interpreter: small blocks (its cost grows with the tile sizes, not with the number of warps).
     """
     block_h = min(64, max(16, triton.next_power_of_2(h)))
     if not on_gpu:
-        return dict(BLOCK_H=block_h, BLOCK_K=16, nsplit=1, p_scratch=False, persistent=False, num_warps=4,
+        return dict(BLOCK_H=block_h, BLOCK_K=16, nsplit=1, persistent=False, num_warps=4,
                     num_stages=1)
-    if dtype == torch.float32:  # exact fp32 dots (tests / fp32 mode): small tiles, no tensor cores
-        return dict(BLOCK_H=block_h, BLOCK_K=32, nsplit=2 if d > 256 else 1, p_scratch=False, persistent=False,
-                    num_warps=4, num_stages=2)
-    return dict(BLOCK_H=block_h, BLOCK_K=64, nsplit=1, p_scratch=False, persistent=False, num_warps=8,
-                num_stages=3)
+    if dtype == torch.float32:  # exact fp32 FMA dots (tests / fp32 mode): small tiles keep them out of local memory
+        return dict(BLOCK_H=16, BLOCK_K=32, nsplit=2 if d > 64 else 1, persistent=False, num_warps=4, num_stages=2)
+    return dict(BLOCK_H=block_h, BLOCK_K=64, nsplit=1, persistent=False, num_warps=8,
+                num_stages=2)  # H200 round 1: s2 1.676 ms (14 spills) vs s3 1.719 ms (36 spills)
+
+
+def encode_slots(window_idx: torch.Tensor, comp_idx: torch.Tensor | None, nw: int, nc: int) -> torch.Tensor:
+    """window_idx [T, W], comp_idx [T, K] or None (int32/int64, contiguous) -> slot codes [T, W+K] int32."""
+    t, w = window_idx.shape
+    k = 0 if comp_idx is None else comp_idx.shape[1]
+    code = torch.empty((t, w + k), dtype=torch.int32, device=window_idx.device)
+    if t and w + k:
+        _encode_slots_kernel[(t,)](window_idx, window_idx if comp_idx is None else comp_idx, code, w, k, nw, nc,
+                                   BLOCK=min(1024, triton.next_power_of_2(w + k)))
+    return code
 
 
 def launch(q: torch.Tensor, window_kv: torch.Tensor, window_idx: torch.Tensor, comp_kv: torch.Tensor | None,
-           comp_idx: torch.Tensor | None, sink: torch.Tensor, scale: float, **config) -> torch.Tensor:
-    """Run the kernel on checked inputs; ``config`` overrides ``default_config`` (the bench compares variants)."""
+           comp_idx: torch.Tensor | None, sink: torch.Tensor, scale: float, info: dict | None = None,
+           **config) -> torch.Tensor:
+    """Run the kernel on checked inputs; ``config`` overrides ``default_config`` (the bench compares variants).
+
+    ``info``, if given, receives the config used and, on the GPU, the compiled kernel (registers, spills, shared
+    memory, and the MMA layouts Triton chose, read from its TTGIR).
+    """
     t, h, d = q.shape
-    interp = q.device.type == "cpu"
+    interp = interpreting()  # CPU tensors, or any tensors under TRITON_INTERPRET=1
     cfg = default_config(h, d, q.dtype, not interp) | config
     q = q.contiguous()
     window_kv, window_idx = window_kv.contiguous(), window_idx.contiguous()
@@ -228,6 +252,8 @@ def launch(q: torch.Tensor, window_kv: torch.Tensor, window_idx: torch.Tensor, c
         comp_kv, comp_idx = comp_kv.contiguous(), comp_idx.contiguous()
         k = comp_idx.shape[1]
     w = window_idx.shape[1]
+    comp_off = (comp_kv.data_ptr() - window_kv.data_ptr()) // comp_kv.element_size()  # comp_kv - window_kv, elems
+    code = encode_slots(window_idx, comp_idx if k else None, window_kv.shape[0], comp_kv.shape[0])  # [T, W+K]
     out = torch.empty_like(q)
     block_h, block_k, nsplit = cfg["BLOCK_H"], cfg["BLOCK_K"], cfg["nsplit"]
     block_d = max(16 * nsplit, triton.next_power_of_2(d))
@@ -237,19 +263,21 @@ def launch(q: torch.Tensor, window_kv: torch.Tensor, window_idx: torch.Tensor, c
     if n_tiles == 0:
         return out
     n_prog = n_tiles
-    if cfg["persistent"] or cfg["p_scratch"]:  # the scratch is per program: keep the grid at the SM count
+    if cfg["persistent"]:  # one program per SM, looping over tiles in order
         n_prog = min(n_tiles, 1 if interp else _num_sms(q.device))
-    p_dtype = torch.float32 if (interp or q.dtype == torch.float32) else q.dtype
-    n_scr = 2 * n_prog if cfg["p_scratch"] else 1
-    p_scr = torch.empty((n_scr, block_h * block_k), dtype=p_dtype, device=q.device)
-    a_scr = torch.empty((n_scr, block_h), dtype=torch.float32, device=q.device)
     launch_kw = {} if interp else dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     with torch.cuda.device(q.device) if q.is_cuda else _nullctx():
-        _sparse_attention_kernel[(n_prog,)](
-            q, window_kv, window_idx, comp_kv, comp_idx, sink, out, p_scr, a_scr,
-            h, w, k, window_kv.shape[0], comp_kv.shape[0], n_tiles, float(scale), 3,
-            D=d, BLOCK_H=block_h, BLOCK_K=block_k, BLOCK_D=block_d, NSPLIT=nsplit, P_SCRATCH=bool(cfg["p_scratch"]),
+        kernel = _sparse_attention_kernel[(n_prog,)](
+            q, window_kv, code, sink, out, comp_off, h, w + k, n_tiles, float(scale),
+            D=d, BLOCK_H=block_h, BLOCK_K=block_k, BLOCK_D=block_d, NSPLIT=nsplit,
             ROUND_BF16=q.dtype == torch.bfloat16, IEEE=q.dtype == torch.float32, INTERPRET=interp, **launch_kw)
+    if info is not None:
+        info.update(cfg, grid=n_prog)
+        if not interp and kernel is not None:
+            ttgir = kernel.asm.get("ttgir", "")
+            info.update(n_regs=kernel.n_regs, n_spills=kernel.n_spills, shared=kernel.metadata.shared,
+                        mma=sorted({ln.split("=", 1)[1].strip() for ln in ttgir.splitlines()
+                                    if ln.startswith("#mma") and "nvidia_mma" in ln}))
     return out
 
 
@@ -307,6 +335,9 @@ def _check(q, window_kv, window_idx, comp_kv, comp_idx, sink, scale) -> None:
         if comp_idx.dim() != 2 or comp_idx.shape[0] != t or comp_idx.dtype not in IDX_DTYPES:
             raise ValueError(f"sparse_attention: comp_idx must be [T={t}, K] int32/int64, got {shape(comp_idx)} "
                              f"{comp_idx.dtype}")
+    for name, x in (("window_kv", window_kv), ("comp_kv", comp_kv)):
+        if x is not None and x.shape[0] >= 2**30:
+            raise ValueError(f"sparse_attention: {name} must have < 2^30 rows for the Triton kernel, got {x.shape[0]}")
     if sink.shape != (h,) or sink.dtype != torch.float32:
         raise ValueError(f"sparse_attention: sink must be [H={h}] float32, got {shape(sink)} {sink.dtype}")
     if not isinstance(scale, (float, int)):

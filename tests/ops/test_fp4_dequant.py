@@ -12,6 +12,7 @@ import torch
 
 from minidi.ops.fp4_dequant import fp4_dequant, fp4_dequant_into, fp4_dequant_ref
 
+pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # 6 * 2^127 -> inf, on purpose
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 INT_VIEW = {torch.bfloat16: torch.int16, torch.float32: torch.int32}
 

@@ -1,0 +1,337 @@
+"""Benchmark of op B (lightning-indexer scores + top-512) at the V4.1-Flash prefill shape on one H200.
+
+Shape: T 4,096 new tokens, H 32 index heads, D 128, N 131,072 keys (bf16 q/k, fp32 w), causal visibility after a
+126,976-key prefix: k_end[t] = 126,976 + t + 1. FLOPs = 2 T H D N = 4.40 T counted over the full N (the
+causal-effective count, over the visible keys only, is printed beside it). Top-512 of the [T, N] scores.
+Candidate scoring (re-index layers): C 2,048 blocks x B 8 = 16,384 keys per query, 0.55 TFLOP.
+
+Paths: the plain path chunked over queries (einsum + relu + mul + sum + mask, 256 queries per chunk) eager and under
+stock torch.compile (no minidi passes); torch.topk on the fp32 and bf16 scores; minidi's kernels at their default
+config and a small sweep of configs (so one run tells what to change). Correctness at the bench shape is checked
+before timing: scores vs float64 on sampled rows (and the bf16 plain path's error on the same rows), top-512 set
+overlap vs torch.topk on the same scores, fused top-k vs standalone, candidate scores vs the reference.
+
+Usage: python bench/bench_indexer.py [--out PATH] [--no-compile] [--only score,topk,cand]
+Prints a card, tables, and as the LAST line one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+import triton
+
+from minidi.ops.indexer_score import (
+    _launch_cand,
+    _launch_score,
+    default_score_config,
+    indexer_score_candidates_ref,
+    indexer_score_ref,
+)
+from minidi.ops.topk import _launch_topk
+
+T, H, D, N, K, PREFIX = 4096, 32, 128, 131072, 512, 126976
+CB, BS = 2048, 8
+DEV = "cuda"
+SMOKE_TOPK = {}  # per-config overrides in --smoke mode (tiny rows on the CPU interpreter)
+SCORE_CONFIGS = {  # name: (BN, QB, num_warps, num_stages, blocks_per_prog)
+    "default 64x128 w4 s3": dict(BN=64, QB=4, num_warps=4, num_stages=3, blocks_per_prog=128),
+    "64x128 w4 s2": dict(BN=64, QB=4, num_warps=4, num_stages=2, blocks_per_prog=128),
+    "64x128 w4 s3 bpp512": dict(BN=64, QB=4, num_warps=4, num_stages=3, blocks_per_prog=512),
+    "128x128 w4 s2": dict(BN=128, QB=4, num_warps=4, num_stages=2, blocks_per_prog=64),
+    "128x128 w8 s3": dict(BN=128, QB=4, num_warps=8, num_stages=3, blocks_per_prog=64),
+    "64x256 w4 s2": dict(BN=64, QB=8, num_warps=4, num_stages=2, blocks_per_prog=128),
+    "128x256 w8 s2": dict(BN=128, QB=8, num_warps=8, num_stages=2, blocks_per_prog=64),
+    "256x128 w8 s2": dict(BN=256, QB=4, num_warps=8, num_stages=2, blocks_per_prog=32),
+}
+TOPK_CONFIGS = {  # NS chunks per row (CH = N / NS columns each), CAP candidates, TILE columns per compaction step
+    "default NS2048 tile2048 w8": dict(),
+    "tile4096 w8": dict(TILE=4096),
+    "tile1024 w4": dict(TILE=1024, num_warps=4),
+    "tile2048 w4": dict(num_warps=4),
+    "NS4096 (chunks of 32)": dict(NS=4096),
+    "NS1024 (chunks of 128)": dict(NS=1024),
+}
+
+
+def timed(fn, rep: int = 100) -> float:
+    """Median ms with triton's do_bench (L2 flushed between runs); one wall-clock run in --smoke mode."""
+    if DEV == "cpu":
+        t = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t) * 1e3
+    return triton.testing.do_bench(fn, warmup=10, rep=rep, return_mode="median")
+
+
+def timed_slow(fn, n: int = 3) -> float:
+    """Median ms of n runs after one warm-up (for the 20-200 ms plain paths)."""
+    if DEV == "cpu":
+        return timed(fn)
+    fn()
+    ts = []
+    for _ in range(n):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        ts.append(a.elapsed_time(b))
+    return sorted(ts)[len(ts) // 2]
+
+
+def measure_peaks() -> dict:
+    m, c = (8192, 1 << 28) if DEV == "cuda" else (256, 1 << 20)
+    a = torch.randn(m, m, device=DEV, dtype=torch.bfloat16)
+    ms = timed(lambda: a @ a)
+    x = torch.empty(c, device=DEV, dtype=torch.float32)  # 1 GiB on the GPU
+    y = torch.empty_like(x)
+    ms_c = timed(lambda: y.copy_(x))
+    del a, x, y
+    free()
+    return dict(bf16_tflops=2 * m**3 / ms / 1e9, copy_gbs=2 * 4 * c / ms_c / 1e6)
+
+
+def free() -> None:
+    if DEV == "cuda":
+        torch.cuda.empty_cache()
+
+
+def plain_chunk(q, k, w, ks, ke):
+    """The naive path on one query chunk: bf16 einsum, relu * w, head sum, visibility mask."""
+    s = torch.einsum("thd,nd->thn", q, k)  # [c, H, N]
+    s = (s.relu() * w.to(q.dtype).unsqueeze(-1)).sum(dim=1)  # [c, N]
+    j = torch.arange(k.shape[0], device=q.device)
+    return s.masked_fill((j < ks[:, None]) | (j >= ke[:, None]), float("-inf"))
+
+
+def plain_scores(fn, q, k, w, ks, ke, chunk=256):
+    return torch.cat([fn(q[a:a + chunk], k, w[a:a + chunk], ks[a:a + chunk], ke[a:a + chunk])
+                      for a in range(0, q.shape[0], chunk)])
+
+
+def overlap(idx: torch.Tensor, ref: torch.Tensor, n: int) -> float:
+    """Mean fraction of ref's valid picks that idx also picks (rows chunked to bound memory)."""
+    hits, tot = 0, 0
+    for a in range(0, idx.shape[0], 512):
+        r, i = ref[a:a + 512], idx[a:a + 512]
+        m = torch.zeros(r.shape[0], n + 1, dtype=torch.bool, device=r.device)
+        m.scatter_(1, torch.where(r >= 0, r, n), True)
+        m[:, n] = False
+        hits += m.gather(1, torch.where(i >= 0, i, n)).sum().item()
+        tot += (r >= 0).sum().item()
+    return hits / max(tot, 1)
+
+
+def err_vs_f64(scores, q, k, w, ks, ke, rows) -> float:
+    """max |s - s64| / max |s64| over the finite entries of the sampled rows."""
+    ref = indexer_score_ref(q[rows], k, w[rows], ks[rows], ke[rows], compute_dtype=torch.float64)
+    fin = torch.isfinite(ref)
+    return ((scores[rows].double() - ref)[fin].abs().max() / ref[fin].abs().max()).item()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--no-compile", action="store_true", help="skip stock torch.compile of the plain path")
+    ap.add_argument("--only", default="score,topk,cand")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU interpreter (checks the script)")
+    args = ap.parse_args()
+    global T, H, D, N, K, PREFIX, CB, BS, DEV
+    if args.smoke:
+        T, H, D, N, K, PREFIX, CB, BS, DEV = 64, 8, 32, 2048, 16, 1900, 32, 8, "cpu"
+        SMOKE_TOPK.update(NS=64, CAP=128, TILE=64)
+        args.no_compile = True
+        for c in SCORE_CONFIGS.values():
+            c.update(QB=c["QB"] * 4, blocks_per_prog=8)  # H 8: same QB*H rows as H 32
+    parts = set(args.only.split(","))
+    t_start = time.time()
+    torch.manual_seed(0)
+    dev = torch.cuda.get_device_name() if DEV == "cuda" else "cpu (interpreter smoke)"
+    peaks = measure_peaks()
+    flops = 2 * T * H * D * N
+    ke = PREFIX + torch.arange(T, device=DEV) + 1
+    ks = torch.zeros(T, dtype=torch.long, device=DEV)
+    flops_causal = 2 * H * D * ke.sum().item()
+    q = torch.randn(T, H, D, device=DEV).bfloat16()
+    k = torch.randn(N, D, device=DEV).bfloat16()
+    w = torch.randn(T, H, device=DEV) * (D**-0.5 * H**-0.5)
+    rows = torch.tensor([0, 1, T // 5, T // 2, T - 1], device=DEV)
+    print(f"device: {dev} | bf16 GEMM {peaks['bf16_tflops']:.0f} TFLOP/s | copy {peaks['copy_gbs']:.0f} GB/s")
+    print(f"shape: T {T} H {H} D {D} N {N} bf16 q/k fp32 w | k_end = {PREFIX} + t + 1 | {flops / 1e12:.2f} TFLOP "
+          f"(causal-effective {flops_causal / 1e12:.2f}) | top-{K}")
+    res = dict(op="indexer", device=dev, peaks=peaks, shape=dict(T=T, H=H, D=D, N=N, K=K, prefix=PREFIX),
+               tflop=flops / 1e12, tflop_causal=flops_causal / 1e12, checks={}, score={}, topk={}, cand={})
+    pk = peaks["bf16_tflops"]
+
+    def row(name, ms, work, unit, base=None, note=""):
+        """work: FLOPs (unit TFLOP/s) or bytes (unit GB/s); base: ms of the path to compare with."""
+        rate = work / ms / (1e9 if unit == "TFLOP/s" else 1e6)
+        pct = 100 * rate / (pk if unit == "TFLOP/s" else peaks["copy_gbs"])
+        sp = f"{base / ms:7.2f}x" if base else "        "
+        print(f"  {name:<34} {ms:9.3f} ms {rate:9.1f} {unit:<8} {pct:5.1f}% {sp}  {note}")
+
+    # ------------------------------------------------------------------------------------------------ scores
+    scores, cmax = _launch_score(q, k, w, ks, ke, torch.float32, True)
+    cmax_chunk = default_score_config(H, q.dtype)["BN"]
+    if "score" in parts:
+        print("\nscore [T, N] fp32 (TFLOP/s over the full N; % of the measured bf16 peak; speed-up vs compiled plain)")
+        e_ours = err_vs_f64(scores, q, k, w, ks, ke, rows)
+        plain = plain_scores(plain_chunk, q, k, w, ks, ke)
+        e_plain = err_vs_f64(plain, q, k, w, ks, ke, rows)
+        res["checks"].update(score_rel_err=e_ours, plain_bf16_rel_err=e_plain, score_ok=e_ours <= e_plain,
+                             inf_pattern_ok=bool(torch.equal(torch.isinf(scores), torch.isinf(plain))))
+        print(f"  check: max rel err vs float64 ours {e_ours:.2e} | plain bf16 path {e_plain:.2e} | "
+              f"-inf pattern equal: {res['checks']['inf_pattern_ok']}")
+        del plain
+        free()
+        ms_eager = timed_slow(lambda: plain_scores(plain_chunk, q, k, w, ks, ke))
+        res["score"]["plain_eager_ms"] = ms_eager
+        ms_comp = float("nan")
+        if not args.no_compile:
+            try:
+                comp = torch.compile(plain_chunk)
+                tc = time.time()
+                plain_scores(comp, q, k, w, ks, ke)
+                res["score"]["compile_s"] = time.time() - tc
+                ms_comp = timed_slow(lambda: plain_scores(comp, q, k, w, ks, ke))
+            except Exception as e:  # report, keep going
+                print(f"  torch.compile failed: {type(e).__name__}: {str(e)[:200]}")
+        res["score"]["plain_compiled_ms"] = ms_comp
+        free()
+        row("plain eager (chunk 256)", ms_eager, flops, "TFLOP/s", ms_comp)
+        row("plain torch.compile (chunk 256)", ms_comp, flops, "TFLOP/s", ms_comp)
+        res["score"]["configs"] = {}
+        for name, cfg in SCORE_CONFIGS.items():
+            info: dict = {}
+            try:
+                out, _ = _launch_score(q, k, w, ks, ke, torch.float32, False, info=info, **cfg)
+                ok = bool(torch.equal(torch.isinf(out), torch.isinf(scores))) and bool(
+                    (out - scores).nan_to_num().abs().max() <= 1e-5 * scores.nan_to_num(0, 0, 0).abs().max())
+                ms = timed(lambda: _launch_score(q, k, w, ks, ke, torch.float32, False, **cfg))
+                rec = dict(ms=ms, tflops=flops / ms / 1e9, tflops_causal=flops_causal / ms / 1e9, ok=ok, **info,
+                           config=cfg)
+                row(name, ms, flops, "TFLOP/s", ms_comp,
+                    f"ok={ok} regs {info.get('n_regs')} spills {info.get('n_spills')} smem {info.get('shared')}")
+            except Exception as e:
+                rec = dict(ok=False, error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200])
+                print(f"  {name:<34} FAILED {rec['error']}")
+            res["score"]["configs"][name] = rec
+            free()
+        for name, extra in (("default + chunk maxima (fused top-k)", dict(want_cmax=True)),
+                            ("default, bf16 output", dict(out_dtype=torch.bfloat16))):
+            a = {**dict(out_dtype=torch.float32, want_cmax=False), **extra}
+            ms = timed(lambda: _launch_score(q, k, w, ks, ke, a["out_dtype"], a["want_cmax"]))
+            res["score"][name] = ms
+            row(name, ms, flops, "TFLOP/s", ms_comp)
+        good = {n: r for n, r in res["score"]["configs"].items() if r.get("ok")}
+        if good:
+            best = min(good, key=lambda n: good[n]["ms"])
+            res["score"].update(best=best, best_ms=good[best]["ms"], best_tflops=good[best]["tflops"],
+                                best_tflops_causal=good[best]["tflops_causal"],
+                                best_pct_peak=100 * good[best]["tflops"] / pk, speedup_vs_compiled=ms_comp /
+                                good[best]["ms"], speedup_vs_eager=ms_eager / good[best]["ms"])
+
+    # ------------------------------------------------------------------------------------------------ top-k
+    if "topk" in parts:
+        sbytes = T * N * 4
+        print(f"\ntop-{K} of [T, N] (GB/s = one read of the fp32 scores / time; % of the measured copy bandwidth)")
+        ref = torch.topk(scores, K, dim=1).indices
+        ref = torch.where(torch.gather(scores, 1, ref) > float("-inf"), ref, -1)
+        ms_t32 = timed(lambda: torch.topk(scores, K, dim=1))
+        s16 = scores.bfloat16()
+        ms_t16 = timed(lambda: torch.topk(s16, K, dim=1))
+        res["topk"].update(torch_fp32_ms=ms_t32, torch_bf16_ms=ms_t16)
+        v16 = torch.topk(s16, K, dim=1).values[:, -1:]
+        res["topk"]["bf16_ties_at_kth"] = (s16 == v16).sum(1).float().mean().item()
+        print(f"  scores sharing the {K}th value: bf16 {res['topk']['bf16_ties_at_kth']:.1f} per row "
+              f"(fp32: {(scores == torch.topk(scores, K, dim=1).values[:, -1:]).sum(1).float().mean().item():.2f})")
+        row("torch.topk fp32", ms_t32, sbytes, "GB/s", ms_t32)
+        row("torch.topk bf16", ms_t16, sbytes / 2, "GB/s", ms_t32)
+        # how tight the bound is: chunks of 64 (NS 2048 at this N, and the score kernel's key block)
+        for ch in (32, 64, 128):
+            cm_ = scores.view(T, -1, ch).amax(2)  # [T, N / ch]
+            lb = cm_.topk(K, dim=1).values[:, -1:]
+            cnt = (scores >= lb).sum(1).float()
+            act = (cm_ >= lb).sum(1).float()
+            res["topk"][f"bound_chunk{ch}"] = dict(cand_mean=cnt.mean().item(), cand_max=cnt.max().item(),
+                                                   active_chunks_mean=act.mean().item())
+            print(f"  bound, chunks of {ch:>3}: candidates per row mean {cnt.mean().item():.0f} max "
+                  f"{cnt.max().item():.0f} (CAP 4096) | active chunks {act.mean().item():.0f} of {N // ch}")
+        res["topk"]["configs"] = {}
+        variants = [(n, {**c, **SMOKE_TOPK}, scores, None, 0) for n, c in TOPK_CONFIGS.items()]
+        variants += [("fused bound (chunk maxima from score)", dict(SMOKE_TOPK), scores, cmax, cmax_chunk),
+                     ("bf16 scores", dict(SMOKE_TOPK), s16, None, 0)]
+        for name, cfg, s_in, cm, cc in variants:
+            info = {}
+            try:
+                idx = _launch_topk(s_in, K, None, ke, cm, cc, info=info, **cfg)
+                ov = overlap(idx, ref, N)
+                ms = timed(lambda: _launch_topk(s_in, K, None, ke, cm, cc, **cfg))
+                nb = sbytes / (2 if s_in.dtype == torch.bfloat16 else 1)
+                rec = dict(ms=ms, overlap=ov, gbs=nb / ms / 1e6, **info, config=cfg)
+                row(name, ms, nb, "GB/s", ms_t32, f"overlap {ov:.4f} regs {info.get('n_regs')} "
+                    f"spills {info.get('n_spills')} bound {info.get('bound')}")
+            except Exception as e:
+                rec = dict(error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200])
+                print(f"  {name:<34} FAILED {rec['error']}")
+            res["topk"]["configs"][name] = rec
+        d = res["topk"]["configs"].get("default NS2048 tile2048 w8", {})
+        res["checks"]["topk_overlap"] = d.get("overlap")
+        f = res["topk"]["configs"].get("fused bound (chunk maxima from score)", {})
+        good = {n: r for n, r in res["topk"]["configs"].items() if r.get("overlap", 0) >= 0.99 and n != "bf16 scores"}
+        if good:
+            best = min(good, key=lambda n: good[n]["ms"])
+            res["topk"].update(best=best, best_ms=good[best]["ms"], speedup_vs_torch=ms_t32 / good[best]["ms"])
+        if "ms" in f and res["score"].get("default + chunk maxima (fused top-k)"):
+            e2e = res["score"]["default + chunk maxima (fused top-k)"] + f["ms"]
+            plain_e2e = res["score"].get("plain_compiled_ms", float("nan")) + ms_t32
+            res["indexer_topk_ms"] = e2e
+            res["plain_compiled_plus_torch_topk_ms"] = plain_e2e
+            print(f"  indexer_topk (score + chunk maxima, fused-bound top-k): {e2e:.2f} ms vs plain compiled + "
+                  f"torch.topk {plain_e2e:.2f} ms ({plain_e2e / e2e:.2f}x)")
+        del s16
+
+    # ------------------------------------------------------------------------------------------------ candidates
+    if "cand" in parts:
+        cflops = 2 * T * H * D * CB * BS
+        print(f"\ncandidate scoring: {CB} blocks x {BS} = {CB * BS} keys per query, {cflops / 1e12:.2f} TFLOP")
+        nb = N // BS
+        cand = (torch.rand(T, nb, device=DEV).argsort(dim=1)[:, :CB]).int()  # [T, C] distinct random blocks
+        cand = torch.minimum(cand, ((ke - 1) // BS)[:, None].int())  # visible blocks (duplicates allowed)
+        s_c, kidx = _launch_cand(q, k, w, cand, BS, ks, ke)
+        sr, kr = indexer_score_candidates_ref(q[rows], k, w[rows], cand[rows], BS, ks[rows], ke[rows])
+        fin = torch.isfinite(sr)
+        e = ((s_c[rows] - sr)[fin].abs().max() / sr[fin].abs().max()).item()
+        res["checks"].update(cand_rel_err=e, cand_idx_ok=bool(torch.equal(kidx[rows], kr)))
+        print(f"  check: rel err vs fp32 reference {e:.2e}, key indices equal: {res['checks']['cand_idx_ok']}")
+        dense_ms = res["score"].get("configs", {}).get("default 64x128 w4 s3", {}).get("ms")
+        for name, cfg in (("default BC128 w4 s3", {}), ("BC64 w4 s3", dict(BC=64)), ("BC256 w8 s3",
+                          dict(BC=256, num_warps=8)), ("BC128 w4 s4", dict(num_stages=4))):
+            info = {}
+            try:
+                _launch_cand(q, k, w, cand, BS, ks, ke, info=info, **cfg)
+                ms = timed(lambda: _launch_cand(q, k, w, cand, BS, ks, ke, **cfg))
+                res["cand"][name] = dict(ms=ms, tflops=cflops / ms / 1e9, **info, config=cfg)
+                row(name, ms, cflops, "TFLOP/s", dense_ms, f"regs {info.get('n_regs')} (x = vs dense kernel)")
+            except Exception as ex:
+                res["cand"][name] = dict(error=f"{type(ex).__name__}: {str(ex)[:200]}")
+                print(f"  {name:<34} FAILED {res['cand'][name]['error']}")
+        s16k = s_c
+        ms = timed(lambda: _launch_topk(s16k, K, **SMOKE_TOPK))
+        res["cand"]["topk_over_candidates_ms"] = ms
+        row(f"top-{K} over [T, {CB * BS}] candidates", ms, T * CB * BS * 4, "GB/s")
+
+    res["wall_s"] = time.time() - t_start
+    print(f"\nchecks: {res['checks']} | wall {res['wall_s']:.0f} s")
+    line = json.dumps(res)
+    if args.out:
+        with open(args.out, "w") as fh:
+            fh.write(line + "\n")
+    print(line)
+
+
+if __name__ == "__main__":
+    main()

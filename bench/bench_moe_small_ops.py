@@ -1,0 +1,321 @@
+"""Benchmark of the three small MoE ops at V4.1-Flash shapes (one H200): combine (C), FP4 dequant (D), router GEMM (E).
+
+For each op: the plain path eager and under stock ``torch.compile`` (no minidi passes), then minidi's op at its default
+config and a small sweep of tile configs (so one run tells what to change). Correctness of the op vs the plain path is
+checked at the bench shape before timing. Peaks (bf16 matmul TFLOP/s, device copy GB/s counting read + write) are
+measured in the same run.
+
+  C  combine: T 4,096 x top-6 = 24,576 bf16 rows x D 5,120 -> [T, D] fp32; EP4 (experts 0..95 of 384 local, rows of
+     the others NaN) and all-local. Bytes = local rows read + [T, D] fp32 written.
+  D  dequant: 96 experts x (w1, w3 [2304, 5120], w2 [5120, 2304]) FP4 + E8M0 -> bf16. Bytes = packed + scales read +
+     bf16 written.
+  E  router: x [4,096, 5,120] (bf16 or fp32) @ weight [384, 5,120] bf16 -> fp32. FLOPs = 2 T D E (counted once);
+     error = max|out - ref64| / max|ref64|; top6 = rows whose top-6 of sqrt(softplus) + bias equals float64's.
+
+Usage: python bench/bench_moe_small_ops.py [--only C,D,E] [--out PATH]; --smoke runs tiny shapes (CPU interpreter ok).
+Prints a card, a table per op, and as the LAST line one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+import torch.nn.functional as F
+import triton
+
+from minidi.model.moe import dequant_expert_stack, gate_logits_fp32, moe_combine_naive
+from minidi.ops import fp4_dequant as d_op
+from minidi.ops import gate_tf32x3 as e_op
+from minidi.ops import moe_combine as c_op
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+FAILURES: list[str] = []  # accuracy failures, reported after all tables (one run shows every number)
+
+
+def timed(fn, smoke: bool) -> float:
+    """Median ms (triton do_bench, L2 flushed between runs); one wall-clock run in smoke mode."""
+    if smoke or DEV == "cpu":
+        t = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t) * 1e3
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def timed_graph(fn, smoke: bool) -> float:
+    """Median ms of ``fn`` replayed from a CUDA graph (no CPU launch gaps: what a compiled, graphed step sees)."""
+    if smoke or DEV == "cpu":
+        return timed(fn, smoke)
+    try:
+        return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
+    except Exception as exc:  # capture can fail on some stacks: report it, keep going
+        print(f"  (CUDA graph timing failed: {type(exc).__name__}: {exc})")
+        return float("nan")
+
+
+def free_cache() -> None:
+    if DEV == "cuda":
+        torch.cuda.empty_cache()
+
+
+def peaks(smoke: bool) -> dict:
+    n = 256 if smoke else 8192
+    a = torch.randn(n, n, device=DEV, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=DEV, dtype=torch.bfloat16)
+    ms = timed(lambda: a @ b, smoke)
+    src = torch.empty(2**20 if smoke else 2**30, dtype=torch.uint8, device=DEV)
+    dst = torch.empty_like(src)
+    ms_c = timed(lambda: dst.copy_(src), smoke)
+    del a, b, src, dst
+    return {"bf16_tflops": 2 * n**3 / ms / 1e9, "copy_gbs": 2 * 2**(20 if smoke else 30) / ms_c / 1e6}
+
+
+def row(table: list, name: str, ms: float, amount: float, unit: str, peak: float, base: dict, **extra) -> None:
+    rate = amount / ms / 1e6 if unit == "GB/s" else amount / ms / 1e9  # bytes -> GB/s, flop -> TFLOP/s
+    r = {"name": name, "ms": round(ms, 4), unit: round(rate, 1), "pct_peak": round(100 * rate / peak, 1)}
+    for k, v in base.items():
+        r[f"x_vs_{k}"] = round(v / ms, 2)
+    r.update(extra)
+    table.append(r)
+
+
+def print_table(title: str, table: list) -> None:
+    print(f"\n== {title}")
+    keys = list(dict.fromkeys(k for r in table for k in r))
+    print("  ".join(f"{k:>14}" if k != "name" else f"{k:<34}" for k in keys))
+    for r in table:
+        print("  ".join(f"{str(r.get(k, '')):>14}" if k != "name" else f"{r[k]:<34}" for k in keys))
+
+
+# ---- C: combine ----------------------------------------------------------------------------------------------------
+def bench_combine(pk: dict, smoke: bool) -> list:
+    t, k, d, n_exp = (64, 6, 320, 16) if smoke else (4096, 6, 5120, 384)
+    torch.manual_seed(0)
+    idx = torch.rand(t, n_exp, device=DEV).topk(k, dim=-1).indices  # [T, k] distinct experts
+    flat = idx.flatten()
+    order = flat.argsort(stable=True)  # [R] sorted row -> token-slot
+    rows = torch.randn(t * k, d, device=DEV, dtype=torch.bfloat16)
+    naive_c = torch.compile(moe_combine_naive, dynamic=False)
+    table = []
+    for frac in (4, 1):
+        local_e = torch.arange(n_exp, device=DEV) < n_exp // frac
+        local = local_e[flat[order]]  # [R]
+        r = rows.clone()
+        r[~local] = float("nan")
+        n_local = int(local.sum())
+        nbytes = n_local * d * 2 + t * d * 4
+        tag = f"EP{frac} ({n_local} local rows)"
+        out = c_op.moe_combine(r, order, local, k)
+        ref = moe_combine_naive(r, order, local, k)
+        err = (out - ref).abs().max().item()
+        assert torch.isfinite(out).all() and err <= 1e-6 * max(1.0, ref.abs().max().item()), err
+        bitwise = torch.equal(out, ref)  # vs torch's sum(dim=1): its CUDA reduction may pair the k adds differently
+        slots = torch.zeros(t * k, d, device=DEV).index_copy_(0, order, torch.where(local[:, None], r.float(), 0.0))
+        seq = slots.view(t, k, d)[:, 0].clone()
+        for j in range(1, k):
+            seq += slots.view(t, k, d)[:, j]  # the op's contract: 0 + s_0 + ... + s_{k-1}, bitwise
+        bitwise_seq = torch.equal(out, seq)
+        assert bitwise_seq, "moe_combine differs from the slot-order fp32 sum"
+        del slots, seq
+        base = {}
+        base["eager"] = timed(lambda: moe_combine_naive(r, order, local, k), smoke)
+        row(table, f"{tag} naive eager", base["eager"], nbytes, "GB/s", pk["copy_gbs"], {})
+        naive_c(r, order, local, k)
+        base["compile"] = timed(lambda: naive_c(r, order, local, k), smoke)
+        row(table, f"{tag} naive torch.compile", base["compile"], nbytes, "GB/s", pk["copy_gbs"], {})
+        ms = timed(lambda: c_op.moe_combine(r, order, local, k), smoke)
+        row(table, f"{tag} minidi op (default)", ms, nbytes, "GB/s", pk["copy_gbs"], base, bitwise_naive=bitwise,
+            bitwise_slot_order=bitwise_seq, max_err=err)
+        ms = timed_graph(lambda: c_op.moe_combine(r, order, local, k), smoke)
+        row(table, f"{tag} minidi op (default, CUDA graph)", ms, nbytes, "GB/s", pk["copy_gbs"], base)
+        slot_row = c_op.invert_slots(order, local)
+        ms = timed(lambda: c_op.invert_slots(order, local), smoke)
+        row(table, f"{tag}   invert only", ms, t * k * 13, "GB/s", pk["copy_gbs"], {})
+        out_buf = torch.empty(t, d, device=DEV)
+        for bt, bd, nw in ((1, 1024, 4), (2, 1024, 4), (4, 1024, 8), (1, 2048, 8), (2, 2048, 8), (4, 512, 4),
+                           (8, 512, 8), (1, 512, 2)):
+            cfg = dict(BLOCK_T=bt, BLOCK_D=bd, num_warps=nw)
+            c_op.combine_from_slots(r, slot_row, k, out_buf, **cfg)
+            assert torch.equal(out_buf, out)
+            ms = timed(lambda: c_op.combine_from_slots(r, slot_row, k, out_buf, **cfg), smoke)
+            row(table, f"{tag}   kernel T{bt} D{bd} w{nw}", ms, nbytes, "GB/s", pk["copy_gbs"], base)
+    print_table("C moe_combine (bytes: local rows read + [T, D] fp32 written)", table)
+    return table
+
+
+# ---- D: FP4 dequant ------------------------------------------------------------------------------------------------
+def bench_dequant(pk: dict, smoke: bool) -> list:
+    e, inter, dim = (4, 96, 160) if smoke else (96, 2304, 5120)
+    torch.manual_seed(1)
+    mats = {}
+    for name, (o, i) in {"w1": (inter, dim), "w3": (inter, dim), "w2": (dim, inter)}.items():
+        packed = torch.randint(-128, 128, (e, o, i // 2), dtype=torch.int8, device=DEV)
+        scale = torch.randint(118, 130, (e, o, i // 32), dtype=torch.uint8, device=DEV).view(torch.float8_e8m0fnu)
+        mats[name] = (packed, scale)
+    nbytes = sum(p.numel() + s.numel() + 4 * p.numel() for p, s in mats.values())
+    outs = {n: torch.empty(*p.shape[:-1], 2 * p.shape[-1], device=DEV, dtype=torch.bfloat16)
+            for n, (p, s) in mats.items()}
+    for n, (p, s) in mats.items():  # correctness at the bench shape (bit-exact, one expert per matrix)
+        ref = dequant_expert_stack(p[:2], s[:2], torch.bfloat16)
+        got = d_op.fp4_dequant(p[:2], s[:2])
+        assert torch.equal(got.view(torch.int16), ref.view(torch.int16)), n
+        del ref, got
+    naive_c = torch.compile(dequant_expert_stack, dynamic=False)
+
+    def run_naive(fn):
+        for p, s in mats.values():
+            fn(p, s, torch.bfloat16)
+
+    table, base = [], {}
+    base["eager"] = timed(lambda: run_naive(dequant_expert_stack), smoke)
+    free_cache()
+    row(table, "naive eager (3 stacks)", base["eager"], nbytes, "GB/s", pk["copy_gbs"], {})
+    try:  # (CPU Inductor has no float8_e8m0fnu: smoke runs on the CPU report the error and go on)
+        run_naive(naive_c)
+        base["compile"] = timed(lambda: run_naive(naive_c), smoke)
+        row(table, "naive torch.compile (3 stacks)", base["compile"], nbytes, "GB/s", pk["copy_gbs"], {})
+    except Exception as exc:
+        table.append({"name": "naive torch.compile (3 stacks)", "error": type(exc).__name__})
+    free_cache()
+    ms = timed(lambda: [d_op.fp4_dequant(p, s) for p, s in mats.values()], smoke)
+    row(table, "minidi fp4_dequant (default, alloc)", ms, nbytes, "GB/s", pk["copy_gbs"], base)
+    ms = timed(lambda: [d_op.fp4_dequant_into(p, s, outs[n]) for n, (p, s) in mats.items()], smoke)
+    row(table, "minidi fp4_dequant_into (default)", ms, nbytes, "GB/s", pk["copy_gbs"], base)
+    for bo, bb, nw in ((8, 256, 4), (16, 256, 8), (4, 512, 4), (8, 512, 8), (16, 128, 4), (32, 128, 8), (2, 1024, 4),
+                       (4, 256, 2)):
+        cfg = dict(BLOCK_O=bo, BLOCK_B=bb, num_warps=nw)
+
+        def run():
+            for n, (p, s) in mats.items():
+                d_op.launch(p, s, outs[n], **cfg)
+
+        ms = timed(run, smoke)
+        row(table, f"  kernel O{bo} B{bb} w{nw}", ms, nbytes, "GB/s", pk["copy_gbs"], base)
+    p, s = mats["w2"]
+    ref = dequant_expert_stack(p[-2:], s[-2:], torch.bfloat16)  # the last config wrote everything: spot-check it
+    assert torch.equal(outs["w2"][-2:].view(torch.int16), ref.view(torch.int16))
+    print_table("D fp4_dequant (bytes: packed + scales read + bf16 written)", table)
+    return table
+
+
+# ---- E: router GEMM ------------------------------------------------------------------------------------------------
+GATE_SWEEP_BF16 = ((64, 128, 64, 4, 4), (128, 128, 64, 8, 3), (64, 64, 64, 4, 4), (128, 64, 64, 4, 4),
+                   (64, 128, 128, 4, 3), (64, 128, 32, 4, 4), (128, 128, 32, 8, 4), (32, 128, 64, 4, 4))
+GATE_SWEEP_FP32 = ((64, 128, 32, 4, 3), (64, 128, 64, 4, 3), (128, 128, 32, 8, 3), (64, 64, 64, 4, 4))
+
+
+def bench_gate(pk: dict, smoke: bool) -> list:
+    t, d, e = (64, 256, 48) if smoke else (4096, 5120, 384)
+    torch.manual_seed(2)
+    x32 = torch.randn(t, d, device=DEV)
+    xb = x32.bfloat16()
+    w = (torch.randn(e, d, device=DEV) * d**-0.5).bfloat16()
+    bias = torch.randn(e, device=DEV) * 0.1
+    flop = 2 * t * d * e
+    refs = {torch.bfloat16: xb.double() @ w.double().t(), torch.float32: x32.double() @ w.double().t()}
+    tops = {dt: (torch.sqrt(F.softplus(r)) + bias.double()).topk(6, -1).indices.sort(-1).values
+            for dt, r in refs.items()}
+
+    def quality(out, xdt):
+        r = refs[xdt]
+        err = ((out.double() - r).abs().max() / r.abs().max()).item()
+        top = (torch.sqrt(F.softplus(out.double())) + bias.double()).topk(6, -1).indices.sort(-1).values
+        match = (top == tops[xdt]).all(-1).float().mean().item()
+        return {"rel_err": float(f"{err:.2e}"), "top6_match": round(match, 5)}
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    naive_c = torch.compile(gate_logits_fp32, dynamic=False)
+    table = []
+    for xdt, x in ((torch.bfloat16, xb), (torch.float32, x32)):
+        tag = "x bf16" if xdt == torch.bfloat16 else "x fp32"
+        base = {}
+        base["fp32_eager"] = timed(lambda: gate_logits_fp32(x, w), smoke)
+        row(table, f"{tag} fp32 matmul eager (naive)", base["fp32_eager"], flop, "TFLOP/s", pk["bf16_tflops"], {},
+            **quality(gate_logits_fp32(x, w), xdt))
+        naive_c(x, w)
+        base["compile"] = timed(lambda: naive_c(x, w), smoke)
+        row(table, f"{tag} fp32 matmul torch.compile", base["compile"], flop, "TFLOP/s", pk["bf16_tflops"], {},
+            **quality(naive_c(x, w), xdt))
+        xb_ = x.bfloat16()
+        ms = timed(lambda: xb_ @ w.t(), smoke)
+        row(table, f"{tag} bf16 matmul (bf16 out)", ms, flop, "TFLOP/s", pk["bf16_tflops"], base,
+            **quality((xb_ @ w.t()).float(), xdt))
+        torch.backends.cuda.matmul.allow_tf32 = True
+        ms = timed(lambda: x.float() @ w.float().t(), smoke)
+        row(table, f"{tag} tf32 matmul (allow_tf32)", ms, flop, "TFLOP/s", pk["bf16_tflops"], base,
+            **quality(x.float() @ w.float().t(), xdt))
+        torch.backends.cuda.matmul.allow_tf32 = False
+        splits = ("tf32",) if xdt == torch.bfloat16 else ("tf32", "bf16x3", "tf32x3_builtin")
+        for split in splits:
+            out = e_op.gate_tf32x3(x, w, x_split=split)
+            q = quality(out, xdt)
+            label = split if xdt == torch.float32 else "bf16 dot"
+            if not (q["rel_err"] <= 1e-5 and q["top6_match"] == 1.0):  # report at the end, after the table
+                FAILURES.append(f"gate_tf32x3 {tag} {label}: {q}")
+            ms = timed(lambda: e_op.gate_tf32x3(x, w, x_split=split), smoke)
+            row(table, f"{tag} minidi op {label} (default)", ms, flop, "TFLOP/s", pk["bf16_tflops"], base, **q)
+            ms = timed_graph(lambda: e_op.gate_tf32x3(x, w, x_split=split), smoke)
+            row(table, f"{tag} minidi op {label} (CUDA graph)", ms, flop, "TFLOP/s", pk["bf16_tflops"], base)
+            buf = torch.empty(t, e, device=DEV)
+            sweep = GATE_SWEEP_BF16 if xdt == torch.bfloat16 else GATE_SWEEP_FP32
+            for bm, bn, bk, nw, ns in sweep:
+                cfg = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=ns)
+                name = f"{tag}   {label} M{bm} N{bn} K{bk} w{nw} s{ns}"
+                try:
+                    e_op.launch(x, w, buf, split, **cfg)
+                except Exception as exc:  # e.g. out of shared memory for this tile: report, keep going
+                    table.append({"name": name, "error": type(exc).__name__})
+                    continue
+                ms = timed(lambda: e_op.launch(x, w, buf, split, **cfg), smoke)
+                row(table, name, ms, flop, "TFLOP/s", pk["bf16_tflops"], base, **quality(buf, xdt))
+    x32w = w.float()  # fp32 weight too: the classic 3xTF32 (not the checkpoint case)
+    for split in ("tf32", "tf32x3_builtin"):
+        out = e_op.gate_tf32x3(x32, x32w, x_split=split)
+        q = quality(out, torch.float32)
+        if not (q["rel_err"] <= 1e-5 and q["top6_match"] == 1.0):
+            FAILURES.append(f"gate_tf32x3 x fp32, w fp32 {split}: {q}")
+        ms = timed(lambda: e_op.gate_tf32x3(x32, x32w, x_split=split), smoke)
+        row(table, f"x fp32, w fp32 minidi op {split}", ms, flop, "TFLOP/s", pk["bf16_tflops"], {}, **q)
+    print_table("E gate_tf32x3 (FLOPs 2 T D E once; error vs float64)", table)
+    return table
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--only", default="C,D,E")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes, one timed run each (CPU interpreter ok)")
+    args = ap.parse_args(argv)
+    t0 = time.perf_counter()
+    dev = torch.cuda.get_device_name() if DEV == "cuda" else "cpu"
+    pk = peaks(args.smoke)
+    print(f"minidi small MoE ops | {dev} | torch {torch.__version__} | triton {triton.__version__} | "
+          f"peaks: bf16 {pk['bf16_tflops']:.0f} TFLOP/s, copy {pk['copy_gbs']:.0f} GB/s (read + write)")
+    result = {"bench": "moe_small_ops", "device": dev, "torch": torch.__version__, "triton": triton.__version__,
+              "peaks": {k: round(v, 1) for k, v in pk.items()}}
+    parts = {"C": ("moe_combine", bench_combine), "D": ("fp4_dequant", bench_dequant), "E": ("gate_tf32x3", bench_gate)}
+    with torch.inference_mode():
+        for key in args.only.split(","):
+            name, fn = parts[key.strip()]
+            result[name] = fn(pk, args.smoke)
+            free_cache()
+    result["wall_s"] = round(time.perf_counter() - t0, 1)
+    if DEV == "cuda":
+        result["max_mem_gb"] = round(torch.cuda.max_memory_allocated() / 1e9, 1)
+    result["failures"] = FAILURES
+    line = json.dumps(result)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(line + "\n")
+    for msg in FAILURES:
+        print(f"FAIL {msg}")
+    print(line)
+    if FAILURES:
+        raise SystemExit(1)
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,204 @@
+"""Benchmark minidi::sparse_attention (pass target A) at the V4.1-Flash compressed-layer shape, on one GPU.
+
+Shape (ROOFLINE.md): T 4,096 new tokens, H 64, D 512, bf16; window_kv of Nw = 4,096 + 127 rows (the previous 127
+positions + this step's tokens), window_idx = the previous 128 positions of each token; comp_kv of Nc = 65,536 rows
+(the ratio-2 cache at 128K context), comp_idx = 512 distinct sorted picks per query below the causal bound, drawn as
+a random walk in which each query replaces ``--churn`` picks of its predecessor (neighbours share most picks).
+FLOPs = 4 T H (W+K) D (QK^T + PV) = 343.6 GFLOP.
+
+Times, in one run, with ``triton.testing.do_bench`` (median): the plain path (``sparse_attention_naive``) eager and
+under stock ``torch.compile`` (no minidi passes), then each kernel variant (after checking it against the plain
+path's output), plus the default variant on independent random picks (no reuse between neighbours: the L2 worst
+case). Measures the device's bf16 GEMM and copy peaks in the same run. Prints a card, a table and, as the last line,
+one JSON object (``--out PATH`` writes it too).
+
+    python bench/bench_sparse_attention.py [--out results.json] [--variants a,b] [--churn 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import numpy as np
+import torch
+import triton
+
+from minidi.model.sparse_attention import sparse_attention_naive
+from minidi.ops.sparse_attention import encode_slots, launch
+
+# name -> launch config (BLOCK_H is 64 at H = 64). See docs/ops/sparse_attention.md for what each one trades.
+VARIANTS = {
+    "tok_w8_bk64_s2": dict(nsplit=1, num_warps=8, BLOCK_K=64, num_stages=2),  # the default (round 1 best)
+    "tok_w8_bk64_s3": dict(nsplit=1, num_warps=8, BLOCK_K=64, num_stages=3),
+    "tok_w8_bk32_s3": dict(nsplit=1, num_warps=8, BLOCK_K=32, num_stages=3),
+    "tok_w8_bk64_s3_persist": dict(nsplit=1, num_warps=8, BLOCK_K=64, num_stages=3, persistent=True),
+    "split2_w4_bk64_s3": dict(nsplit=2, num_warps=4, BLOCK_K=64, num_stages=3),
+    "split2_w4_bk64_s2": dict(nsplit=2, num_warps=4, BLOCK_K=64, num_stages=2),
+    "split2_w4_bk32_s3": dict(nsplit=2, num_warps=4, BLOCK_K=32, num_stages=3),
+}
+DEFAULT = "tok_w8_bk64_s2"
+TOL = dict(rtol=2**-7, atol=1e-3)  # one bf16 ulp at the output's scale (|out| ~ 0.1-0.5 here)
+
+
+def bench_ms(fn) -> float:
+    return float(triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median"))
+
+
+def measure_peaks() -> dict:
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    ms = bench_ms(lambda: a @ b)
+    x = torch.empty(2**29, device="cuda", dtype=torch.bfloat16)  # 1 GiB
+    y = torch.empty_like(x)
+    ms_copy = bench_ms(lambda: y.copy_(x))
+    peaks = dict(bf16_tflops=2 * 8192**3 / ms / 1e9, copy_gbs=2 * x.numel() * 2 / ms_copy / 1e6)
+    del a, b, x, y
+    torch.cuda.empty_cache()
+    return peaks
+
+
+def comp_picks(t: int, k: int, bound0: int, churn: int, seed: int) -> torch.Tensor:
+    """[t, k] int64 sorted distinct picks; query i picks below bound0 + i // 2; each replaces ``churn`` of the last
+    query's picks (churn >= k: independent picks)."""
+    if churn >= k:  # independent picks (below the first query's bound), drawn on the GPU
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        picks = torch.rand(t, bound0, device="cuda", generator=g).topk(k, dim=1).indices
+        return picks.sort(dim=1).values.cpu()
+    rng = np.random.default_rng(seed)
+    out = np.empty((t, k), dtype=np.int64)
+    cur = rng.choice(bound0, size=k, replace=False)
+    for i in range(t):
+        bound = bound0 + i // 2
+        if i:
+            taken = set(cur.tolist())
+            drop = rng.choice(k, size=churn, replace=False)
+            new = []
+            while len(new) < churn:
+                v = int(rng.integers(bound))
+                if v not in taken:
+                    taken.add(v)
+                    new.append(v)
+            cur = cur.copy()
+            cur[drop] = new
+        out[i] = np.sort(cur)
+    return torch.from_numpy(out)
+
+
+def make_inputs(t=4096, h=64, d=512, w=128, k=512, nc=65536, ctx=131072, churn=32, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(t, h, d, device="cuda", generator=g).bfloat16()
+    window_kv = torch.randn(t + w - 1, d, device="cuda", generator=g).bfloat16()  # [Nw, D]
+    comp_kv = torch.randn(nc, d, device="cuda", generator=g).bfloat16()  # [Nc, D]
+    window_idx = (torch.arange(t, device="cuda")[:, None] + torch.arange(w, device="cuda")[None, :])  # [T, W]
+    bound0 = (ctx - t) // 2  # ratio-2 compressed rows visible to the first new token
+    comp_idx = comp_picks(t, k, bound0, churn, seed).cuda()  # [T, K]
+    sink = torch.randn(h, device="cuda", generator=g)
+    return q, window_kv, window_idx, comp_kv, comp_idx, sink, d**-0.5
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated names from VARIANTS")
+    ap.add_argument("--churn", type=int, default=32, help="compressed picks each query replaces vs its neighbour")
+    ap.add_argument("--no-compile", action="store_true", help="skip stock torch.compile of the plain path")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    t0 = time.time()
+    dev = torch.cuda.get_device_name()
+    peaks = measure_peaks()
+    T, H, D, W, K = 4096, 64, 512, 128, 512
+    inputs = make_inputs(T, H, D, W, K, churn=args.churn)
+    flops = 4 * T * H * (W + K) * D
+    key_bytes = T * (W + K) * D * 2  # rows gathered once per token
+    print(f"device: {dev} | bf16 GEMM {peaks['bf16_tflops']:.0f} TFLOP/s | copy {peaks['copy_gbs']:.0f} GB/s")
+    print(f"shape: T {T} H {H} D {D} W {W} K {K} Nw {inputs[1].shape[0]} Nc {inputs[3].shape[0]} bf16 "
+          f"| churn {args.churn} | {flops / 1e9:.1f} GFLOP | key rows {key_bytes / 1e9:.2f} GB")
+
+    rows = []  # (name, ms, ok, err, extra)
+    result = dict(op="sparse_attention", device=dev, peaks=peaks,
+                  shape=dict(T=T, H=H, D=D, W=W, K=K, Nw=inputs[1].shape[0], Nc=inputs[3].shape[0], churn=args.churn),
+                  gflop=flops / 1e9, variants={})
+
+    ref = sparse_attention_naive(*inputs)
+    ms_eager = bench_ms(lambda: sparse_attention_naive(*inputs))
+    rows.append(("naive eager", ms_eager, True, 0.0, ""))
+    result["naive_eager_ms"] = ms_eager
+    if not args.no_compile:
+        compiled = torch.compile(sparse_attention_naive)
+        try:
+            out = compiled(*inputs)
+            err = (out.float() - ref.float()).abs().max().item()
+            ms_c = bench_ms(lambda: compiled(*inputs))
+            rows.append(("naive torch.compile", ms_c, True, err, ""))
+            result["naive_compile_ms"] = ms_c
+        except Exception as e:  # report, keep going
+            rows.append(("naive torch.compile", float("nan"), False, float("nan"), f"{type(e).__name__}: {e}"[:200]))
+        del compiled
+    torch.cuda.empty_cache()
+
+    for name in [v for v in args.variants.split(",") if v]:
+        cfg = VARIANTS[name]
+        info: dict = {}
+        rec = dict(config=cfg)
+        try:
+            out = launch(*inputs, info=info, **cfg)
+            torch.cuda.synchronize()
+            err = (out.float() - ref.float()).abs().max().item()
+            ok = bool(torch.isclose(out.float(), ref.float(), **TOL).all())
+            ms = bench_ms(lambda: launch(*inputs, **cfg))
+            rec.update(ms=ms, tflops=flops / ms / 1e9, ok=ok, max_err=err,
+                       **{k: info.get(k) for k in ("n_regs", "n_spills", "shared", "mma", "grid")})
+            extra = f"regs {info.get('n_regs')} spills {info.get('n_spills')} smem {info.get('shared')}"
+            rows.append((name, ms, ok, err, extra))
+        except Exception as e:  # a variant that does not compile (e.g. out of shared memory) is reported, not fatal
+            msg = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
+            rec.update(ok=False, error=msg)
+            rows.append((name, float("nan"), False, float("nan"), msg))
+        result["variants"][name] = rec
+        torch.cuda.empty_cache()
+
+    # the slot-encoding launch alone (part of every variant's time above)
+    ms_enc = bench_ms(lambda: encode_slots(inputs[2], inputs[4], inputs[1].shape[0], inputs[3].shape[0]))
+    rows.append(("  of which: encode_slots", ms_enc, True, 0.0, "int64 index lists -> int32 slot codes"))
+    result["encode_slots_ms"] = ms_enc
+
+    # the default on independent picks: no reuse between neighbouring queries (L2 worst case)
+    if DEFAULT in args.variants.split(","):
+        indep = make_inputs(T, H, D, W, K, churn=K, seed=1)
+        try:
+            ms = bench_ms(lambda: launch(*indep, **VARIANTS[DEFAULT]))
+            rows.append((f"{DEFAULT} (independent picks)", ms, True, 0.0, "no neighbour reuse"))
+            result["default_independent_picks_ms"] = ms
+        except Exception as e:
+            rows.append((f"{DEFAULT} (independent picks)", float("nan"), False, float("nan"), str(e)[:120]))
+        del indep
+
+    print(f"\n{'path':<40} {'ms':>8} {'TFLOP/s':>8} {'%peak':>6} {'keyGB/s':>8} {'x eager':>8} {'x comp':>7}  "
+          f"{'ok':<5} {'max err':>8}  notes")
+    ms_comp = result.get("naive_compile_ms", float("nan"))
+    for name, ms, ok, err, extra in rows:
+        tf = flops / ms / 1e9
+        print(f"{name:<40} {ms:8.3f} {tf:8.1f} {100 * tf / peaks['bf16_tflops']:6.1f} {key_bytes / ms / 1e6:8.0f} "
+              f"{ms_eager / ms:8.2f} {ms_comp / ms:7.2f}  {str(ok):<5} {err:8.2e}  {extra}")
+    for name, rec in result["variants"].items():
+        if rec.get("mma"):
+            print(f"  {name}: mma layouts {rec['mma']}")
+    good = {n: r for n, r in result["variants"].items() if r.get("ok")}
+    if good:
+        best = min(good, key=lambda n: good[n]["ms"])
+        result.update(best=best, best_ms=good[best]["ms"], best_tflops=good[best]["tflops"],
+                      best_pct_peak=100 * good[best]["tflops"] / peaks["bf16_tflops"],
+                      speedup_vs_compile=ms_comp / good[best]["ms"])
+    result["wall_s"] = time.time() - t0
+    line = json.dumps(result)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(line + "\n")
+    print(line)
+
+
+if __name__ == "__main__":
+    main()
