@@ -8,6 +8,7 @@ official layout and builds models.
 from minidi.model.config import ModelConfig
 from minidi.model.presets import PRESETS, preset
 from minidi.runtime.build import load_model
+from minidi.runtime.engine import Engine, PrefixHandle, Request, Result
 
-__all__ = ["ModelConfig", "PRESETS", "preset", "load_model"]
+__all__ = ["ModelConfig", "PRESETS", "preset", "load_model", "Engine", "Request", "Result", "PrefixHandle"]
 __version__ = "0.1.0"

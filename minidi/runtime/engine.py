@@ -84,6 +84,7 @@ class Engine:
         self.step_fn: Callable = model.step
         if compile:
             self.step_fn = torch.compile(model.step, fullgraph=True, dynamic=True, **(compile_kwargs or {}))
+        self.compiled = compile
         self._ids = itertools.count()
         self.steps = 0
 
@@ -226,5 +227,15 @@ class Engine:
     def _step(self, items: list[StepItem]) -> torch.Tensor:
         meta = build_step(self.cache, items)
         self.steps += 1
-        with torch.no_grad():
+        with torch.no_grad(), dynamic_shape_config():
             return self.step_fn(meta, self.cache.tensors)
+
+
+def dynamic_shape_config():
+    """Shapes of one step vary in many dims (tokens, entries, view rows, pending rows...). Two symbolic-shape
+    settings keep one compiled graph for all of them: no duck sizing (two dims that happen to be equal in the first
+    batch must not be assumed equal) and size-oblivious reasoning for sizes 0 and 1 (which Dynamo would otherwise
+    specialise, recompiling for every batch that has, say, one sequence or no pending rows)."""
+    import torch.fx.experimental._config as fx_config
+
+    return fx_config.patch(backed_size_oblivious=True, use_duck_shape=False)
