@@ -94,6 +94,19 @@ def moe_combine_naive(rows: torch.Tensor, order: torch.Tensor, local: torch.Tens
     return slots.view(-1, k, r.shape[-1]).sum(dim=1)
 
 
+def _as_stack(parts: list[torch.Tensor]) -> torch.Tensor:
+    """[E, ...] from per-expert tensors; when they already are consecutive slices of one stack (as the random
+    builder hands them out, possibly one stack shared by every layer) that stack is reused, not copied."""
+    first = parts[0]
+    step = first.numel()
+    if all(p.is_contiguous() for p in parts) and all(
+        p.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+        and p.storage_offset() == first.storage_offset() + e * step for e, p in enumerate(parts)
+    ):
+        return first.as_strided((len(parts), *first.shape), (step, *first.stride()), first.storage_offset())
+    return torch.stack(parts)
+
+
 class RoutedExperts(nn.Module):
     """FP4 experts, stacked: w1/w3 [E, I, D/2] int8 + [E, I, D/32] E8M0; w2 [E, D, I/2] + [E, D, I/32]."""
 
@@ -141,7 +154,7 @@ class RoutedExperts(nn.Module):
                         f"{k}: expected {tuple(param.shape[1:])} {want}, got {tuple(state_dict[k].shape)} "
                         f"{state_dict[k].dtype}" for k in bad)
                     continue
-                stacked = torch.stack(parts)
+                stacked = _as_stack(parts)
                 if local_metadata.get("assign_to_params_buffers", False) or param.is_meta:
                     setattr(self, attr, nn.Parameter(stacked, requires_grad=False))
                 else:

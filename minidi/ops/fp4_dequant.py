@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._formats import e8m0_to_float as _e8m0_to_float
 from ._triton_utils import check_backend, triton_can_run
 
 OUT_DTYPES = (torch.bfloat16, torch.float32)
@@ -39,13 +40,6 @@ FP4_BLOCK = 32
 
 
 # ---- reference -----------------------------------------------------------------------------------------------------
-def _e8m0_to_float(scale: torch.Tensor) -> torch.Tensor:
-    b = scale.view(torch.uint8).to(torch.int32)
-    bits = torch.where(b == 0, torch.full_like(b, 0x00400000), b << 23)  # 2^-127 is the fp32 subnormal 0x00400000
-    bits = torch.where(b == 255, torch.full_like(b, 0x7FC00000), bits)  # NaN
-    return bits.view(torch.float32)
-
-
 def fp4_dequant_ref(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Plain torch. packed int8 [..., O, I/2], scale E8M0 [..., O, ceil(I/32)] -> ``dtype`` [..., O, I]."""
     g = torch.tensor((0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0), device=packed.device)

@@ -48,6 +48,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._formats import e8m0_to_float as _e8m0_to_float
 from ._triton_utils import check_backend, dot, interpreting, triton_can_run
 
 X_DTYPES = (torch.bfloat16, torch.float32)
@@ -57,13 +58,6 @@ FP4_BLOCK = 32
 
 
 # ---- reference (oracle and fallback) -------------------------------------------------------------------------------
-def _e8m0_to_float(scale: torch.Tensor) -> torch.Tensor:
-    b = scale.view(torch.uint8).to(torch.int32)
-    bits = torch.where(b == 0, torch.full_like(b, 0x00400000), b << 23)  # 2^-127 is the fp32 subnormal 0x00400000
-    bits = torch.where(b == 255, torch.full_like(b, 0x7FC00000), bits)  # NaN
-    return bits.view(torch.float32)
-
-
 def fp4_dequant_ref(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Plain torch. packed int8 [..., N, K/2] + E8M0 [..., N, K/32] -> ``dtype`` [..., N, K] (exact in fp32)."""
     g = torch.tensor((0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0), device=packed.device)
