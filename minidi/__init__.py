@@ -9,6 +9,8 @@ from minidi.model.config import ModelConfig
 from minidi.model.presets import PRESETS, preset
 from minidi.runtime.build import load_model
 from minidi.runtime.engine import Engine, PrefixHandle, Request, Result
+from minidi.passes import compile
 
-__all__ = ["ModelConfig", "PRESETS", "preset", "load_model", "Engine", "Request", "Result", "PrefixHandle"]
+__all__ = ["ModelConfig", "PRESETS", "preset", "load_model", "Engine", "Request", "Result", "PrefixHandle",
+           "compile"]
 __version__ = "0.1.0"

@@ -75,6 +75,7 @@ class Engine:
         page_size: int = 64,
         compile: bool = False,
         compile_kwargs: dict | None = None,
+        passes: str | list[str] | None = "none",
     ) -> None:
         self.model, self.cfg = model, model.cfg
         self.device = model.embed.weight.device
@@ -82,8 +83,13 @@ class Engine:
         self.cache = CacheManager(self.cfg, max_slots=max_seqs, max_tokens=cache_tokens, page_size=page_size,
                                   device=self.device)
         self.step_fn: Callable = model.step
-        if compile:
-            self.step_fn = torch.compile(model.step, fullgraph=True, dynamic=True, **(compile_kwargs or {}))
+        self.pass_manager = None
+        if compile:  # minidi.compile: torch.compile(fullgraph, dynamic) with the passes (minidi/passes) installed
+            from minidi.passes import compile as minidi_compile
+
+            kwargs = {"fullgraph": True, "dynamic": True, **(compile_kwargs or {})}
+            self.step_fn = minidi_compile(model, passes, **kwargs)
+            self.pass_manager = self.step_fn.pass_manager
         self.compiled = compile
         self._ids = itertools.count()
         self.steps = 0

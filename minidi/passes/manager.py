@@ -1,0 +1,247 @@
+"""The pass manager and ``minidi.compile``, the one entry point that compiles a model step with the rewrites.
+
+Graph level: the passes rewrite the **Dynamo FX graph** (torch-level calls: one ``einsum`` node, ``index_copy_``,
+``cat``, ``where``) inside a custom ``torch.compile`` backend, which then hands the rewritten GraphModule to the inner
+backend (Inductor on the GPU, ``aot_eager`` in CPU tests). Why this level, and not Inductor's post-grad aten graph:
+see ``docs/passes.md``.
+
+Pass order (each pass sees the graph the previous one left): C moe_combine, E gate_tf32x3, D fp4_grouped_mm,
+A sparse_attention, B indexer_topk. The passes touch disjoint subgraphs (B's top-k output feeds A's ``comp_idx``, and
+both read only the other's *result*), so the order changes no match; it is fixed so that logs and graphs are stable.
+
+    step = minidi.compile(model, passes="all", strict=True, backend="inductor")
+    logits = step(meta, cache)
+    step.pass_manager.counts          # {"A": 10, "B": 4, "C": 10, "D": 30, "E": 10}
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import inspect
+import logging
+import sys
+import warnings
+from collections import Counter
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import torch
+from torch.fx import Graph, GraphModule
+
+from minidi.model.config import ModelConfig
+
+from .base import Rewrite, apply_match, site_of
+from .rewrite_fp4_experts import FP4GroupedMM
+from .rewrite_gate import GateTF32x3
+from .rewrite_indexer import IndexerTopK
+from .rewrite_moe_combine import MoECombine
+from .rewrite_sparse_attention import SparseAttention
+
+try:  # installable as an Inductor custom pass too (it then keys the FX graph cache by uuid())
+    from torch._inductor.custom_graph_pass import CustomGraphPass as _PassBase
+except ImportError:  # pragma: no cover
+    _PassBase = object
+
+log = logging.getLogger("minidi.passes")
+
+REWRITES: tuple[type[Rewrite], ...] = (MoECombine, GateTF32x3, FP4GroupedMM, SparseAttention, IndexerTopK)
+BY_KEY: dict[str, type[Rewrite]] = {r.key: r for r in REWRITES}
+BY_NAME: dict[str, type[Rewrite]] = {r.name: r for r in REWRITES}
+GEMMS_PER_MOE = 3  # w1, w3, w2: pass D matches each expert GEMM
+
+
+class PassMatchError(RuntimeError):
+    """strict mode: a pass matched a different number of sites than the model has."""
+
+
+def expected_sites(cfg: ModelConfig) -> dict[str, list[int]]:
+    """Layer of every site each pass must match in one model step, from the config.
+
+    A: every layer (window-only layers too); B: every index-source layer (V4.1: owners and re-index layers; V4:
+    the ratio-4 layers); C, E: every layer (one MoE each, hash-routed layers still compute the gate logits);
+    D: every layer, three times (w1, w3, w2)."""
+    layers = list(range(cfg.n_layers))
+    return {
+        "A": layers,
+        "B": [i for i in layers if cfg.is_index_source(i)],
+        "C": layers,
+        "D": [i for i in layers for _ in range(GEMMS_PER_MOE)],
+        "E": layers,
+    }
+
+
+def select(passes: str | Iterable[str] | None) -> list[str]:
+    """"all" | "none" | "A,B" | ["A", "moe_combine"] -> pass keys in manager order."""
+    if passes is None:
+        return []
+    if isinstance(passes, str):
+        if passes.strip().lower() == "all":
+            return [r.key for r in REWRITES]
+        if passes.strip().lower() in ("none", ""):
+            return []
+        passes = [p for p in passes.split(",")]
+    keys = set()
+    for p in passes:
+        p = p.strip()
+        if p.upper() in BY_KEY:
+            keys.add(p.upper())
+        elif p in BY_NAME:
+            keys.add(BY_NAME[p].key)
+        else:
+            known = ", ".join(f"{r.key} ({r.name})" for r in REWRITES)
+            raise ValueError(f"unknown pass {p!r}; known: {known}, or 'all' / 'none'")
+    return [r.key for r in REWRITES if r.key in keys]
+
+
+def _source_hash(objs: Iterable[Any], extra: str = "") -> str:
+    h = hashlib.sha256()
+    for o in objs:
+        try:
+            h.update(Path(inspect.getsourcefile(o)).read_bytes())
+        except (TypeError, OSError):
+            h.update(repr(o).encode())
+    h.update(extra.encode())
+    return h.hexdigest()
+
+
+class PassManager(_PassBase):
+    """Runs the selected rewrites over one FX graph, counts their matches per pass and checks them.
+
+    ``expected``: pass key -> layer of each site (``expected_sites(cfg)``); passes without an entry are not checked.
+    ``strict``: a count that differs from the expected one raises ``PassMatchError`` naming the pass, the expected
+    and matched counts and the layers missed; otherwise a warning, and the unmatched sites keep the naive code
+    (each rewrite is local and exact, so a partial rewrite never changes the result).
+    ``keep_graphs``: keep a copy of each graph before and after the passes (inspection and tests).
+    """
+
+    def __init__(self, passes: str | Iterable[str] | None = "all", *, strict: bool = False,
+                 expected: dict[str, list[int]] | None = None, op_backend: str = "triton",
+                 keep_graphs: bool = False) -> None:
+        self.keys = select(passes)
+        self.rewrites: list[Rewrite] = [BY_KEY[k](op_backend) for k in self.keys]
+        self.strict, self.expected, self.op_backend = strict, expected, op_backend
+        self.keep_graphs = keep_graphs
+        self.counts: dict[str, int] = {}  # matches of the last graph, per pass key
+        self.sites: dict[str, list[int | None]] = {}  # layer of each match of the last graph
+        self.history: list[dict[str, int]] = []  # counts of every graph this manager rewrote
+        self.graphs: list[tuple[GraphModule, GraphModule]] = []  # (before, after) when keep_graphs
+
+    # -- Inductor's CustomGraphPass interface ---------------------------------------------------------------------
+    def uuid(self) -> str:
+        """Changes whenever a pass's source (or the manager's, or the selection) changes: Inductor's FX graph cache
+        keys custom passes by it, and a stale key would serve graphs compiled with the old passes."""
+        mods = [sys.modules[__name__], sys.modules[Rewrite.__module__]]
+        mods += [sys.modules[type(r).__module__] for r in self.rewrites]
+        mods.append(sys.modules["minidi.passes.fx_utils"])
+        return _source_hash(mods, f"{self.keys}|{self.strict}|{self.op_backend}")
+
+    def __call__(self, graph: Graph | GraphModule) -> dict[str, int]:
+        return self.run(graph)
+
+    # -- running -------------------------------------------------------------------------------------------------
+    def run(self, graph: Graph | GraphModule) -> dict[str, int]:
+        gm = graph if isinstance(graph, GraphModule) else None
+        g = gm.graph if gm is not None else graph
+        before = copy.deepcopy(gm) if (self.keep_graphs and gm is not None) else None
+        counts, sites = {}, {}
+        for rw in self.rewrites:
+            found: list[int | None] = []
+            for node in list(g.nodes):
+                if getattr(node, "_erased", False):  # erased by an earlier match of this pass
+                    continue
+                m = rw.match(node)
+                if m is not None and apply_match(g, m):
+                    found.append(site_of(m))
+            counts[rw.key], sites[rw.key] = len(found), found
+            log.info("minidi pass %s (%s): %d site(s) matched", rw.key, rw.name, len(found))
+        g.lint()
+        if gm is not None:
+            gm.recompile()
+            if self.keep_graphs:
+                self.graphs.append((before, copy.deepcopy(gm)))
+        self.counts, self.sites = counts, sites
+        self.history.append(dict(counts))
+        self._check(counts, sites)
+        return counts
+
+    def _check(self, counts: dict[str, int], sites: dict[str, list[int | None]]) -> None:
+        if not self.expected:
+            return
+        problems = []
+        for key in self.keys:
+            if key not in self.expected:
+                continue
+            want, got = Counter(self.expected[key]), Counter(sites[key])
+            if sum(want.values()) == counts[key] and want == got:
+                continue
+            missed = sorted((want - got).elements())
+            extra = sorted((got - want).elements(), key=lambda x: (x is None, x or 0))
+            msg = (f"pass {key} ({BY_KEY[key].name}): expected {sum(want.values())} site(s), matched {counts[key]}"
+                   + (f"; missed in layers {missed}" if missed else "")
+                   + (f"; unexpected matches in layers {extra}" if extra else ""))
+            problems.append(msg)
+        if not problems:
+            return
+        if self.strict:
+            raise PassMatchError("minidi passes (strict): " + "; ".join(problems))
+        for msg in problems:
+            log.warning("%s (the naive code stays at the unmatched sites)", msg)
+            warnings.warn(f"minidi passes: {msg} (the naive code stays at the unmatched sites)", stacklevel=2)
+
+    def summary(self) -> str:
+        rows = [f"{k} {BY_KEY[k].name:<18} {self.counts.get(k, 0):>4}"
+                + (f" / {len(self.expected[k])} expected" if self.expected and k in self.expected else "")
+                for k in self.keys]
+        return "\n".join(rows)
+
+
+def make_backend(manager: PassManager, inner: str | Callable = "inductor") -> Callable:
+    """A ``torch.compile`` backend: run the passes on Dynamo's GraphModule, then the inner backend on the result."""
+    from torch._dynamo.backends.registry import lookup_backend
+
+    inner_fn = lookup_backend(inner) if isinstance(inner, str) else inner
+
+    def minidi_backend(gm: GraphModule, example_inputs: list) -> Callable:
+        manager.run(gm)
+        return inner_fn(gm, example_inputs)
+
+    minidi_backend.pass_manager = manager  # type: ignore[attr-defined]
+    return minidi_backend
+
+
+def compile(  # noqa: A001 (minidi.compile mirrors torch.compile)
+    model_or_step: torch.nn.Module | Callable,
+    passes: str | Iterable[str] | None = "all",
+    *,
+    strict: bool = False,
+    backend: str | Callable = "inductor",
+    op_backend: str = "triton",
+    expected: dict[str, list[int]] | None = None,
+    keep_graphs: bool = False,
+    fullgraph: bool = True,
+    dynamic: bool | None = True,
+    **compile_kwargs: Any,
+) -> Callable:
+    """Compile a model step (a minidi ``Transformer``: its ``step``; or any callable / module) with minidi's passes.
+
+    ``passes``: "all", "none", "A,B" or a list of keys / names. ``strict``: fail compilation when a pass matches a
+    different number of sites than ``expected`` (default: ``expected_sites(model.cfg)`` when the model has a
+    config; strict needs ``fullgraph=True``: one graph must hold the whole step). ``backend``: the inner backend
+    that compiles the rewritten graph ("inductor", "aot_eager", ...). ``op_backend``: "triton" (CUDA, or CPU under
+    ``TRITON_INTERPRET=1``) or "ref" for the ops the passes insert. The returned callable has ``.pass_manager``.
+    """
+    fn = model_or_step
+    owner = model_or_step
+    if isinstance(model_or_step, torch.nn.Module) and callable(getattr(model_or_step, "step", None)):
+        fn = model_or_step.step
+    else:
+        owner = getattr(model_or_step, "__self__", model_or_step)
+    cfg = getattr(owner, "cfg", None)
+    if expected is None and isinstance(cfg, ModelConfig):
+        expected = expected_sites(cfg)
+    manager = PassManager(passes, strict=strict, expected=expected, op_backend=op_backend, keep_graphs=keep_graphs)
+    compiled = torch.compile(fn, backend=make_backend(manager, backend), fullgraph=fullgraph, dynamic=dynamic,
+                             **compile_kwargs)
+    compiled.pass_manager = manager
+    return compiled

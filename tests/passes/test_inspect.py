@@ -1,0 +1,23 @@
+"""``python -m minidi.inspect``: the table of passes (sites = expected from the config), the before/after graphs and
+the depyf dump (aot_eager, so no Inductor codegen: depyf 0.20 + torch >= 2.13 breaks only there)."""
+
+from __future__ import annotations
+
+import pytest
+
+from minidi.passes.inspect_cli import main
+
+
+def test_inspect_cli(tmp_path, capsys):
+    pytest.importorskip("depyf")
+    assert main(["--model", "tiny-v4", "--out", str(tmp_path), "--tokens", "8"]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if line[:2] in ("A ", "B ", "C ", "D ", "E ")}
+    assert {k: (int(r[2]), int(r[3])) for k, r in rows.items()} == {
+        "A": (4, 4), "B": (2, 2), "C": (4, 4), "D": (12, 12), "E": (4, 4)}
+    assert "4x sparse_attention" in out and "12x fp4_grouped_mm" in out
+    before = (tmp_path / "graph_before_passes.py").read_text()
+    after = (tmp_path / "graph_after_passes.py").read_text()
+    assert "thd,tkd->thk" in before and "thd,tkd->thk" not in after and "sparse_attention" in after
+    assert any((tmp_path / "depyf").glob("*.py"))
+    assert "step ran: yes" in out

@@ -1,0 +1,327 @@
+"""Each rewrite on a small module holding its naive subgraph: the rewritten graph (expecttest snapshot), the exact
+match count, numerics equal to the unrewritten module, and look-alikes refused (0 matches, graph unchanged).
+
+Static shapes keep the snapshots free of symbol names; the model tests cover dynamic shapes.
+Refresh the snapshots with ``EXPECTTEST_ACCEPT=1 pytest tests/passes/test_rewrites.py``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from expecttest import assert_expected_inline
+
+import minidi
+from minidi.model.attention import compressed_view
+from minidi.model.context import RatioMeta
+from minidi.model.indexer import indexer_topk_naive
+from minidi.model.moe import dequant_expert_stack, gate_logits_fp32, grouped_mm, moe_combine_naive
+from minidi.model.quant import quantize_fp4
+from minidi.model.sparse_attention import sparse_attention_naive
+from minidi.passes import PassMatchError
+
+from .helpers import call_targets, compile_with, graph_text
+
+
+class Fn(torch.nn.Module):
+    def __init__(self, fn, **consts) -> None:
+        super().__init__()
+        self.fn, self.consts = fn, consts
+
+    def forward(self, *args):
+        return self.fn(*args, **self.consts)
+
+
+def run(module, args, passes, n_sites=None, strict=False):
+    compiled = compile_with(module, passes, n_sites, strict)
+    out = compiled(*args)
+    mgr = compiled.pass_manager
+    before, after = mgr.graphs[-1]
+    return out, mgr, before, after
+
+
+# ---- C: moe combine -------------------------------------------------------------------------------------------------
+def moe_inputs(g):
+    r, d, k = 8, 32, 2
+    rows = torch.randn(r, d, generator=g)
+    rows[1] = float("nan")  # a non-local row may hold garbage
+    local = torch.ones(r, dtype=torch.bool)
+    local[1] = False
+    return rows, torch.randperm(r, generator=g), local, k
+
+
+def test_moe_combine_rewrite():
+    rows, order, local, k = moe_inputs(torch.Generator().manual_seed(0))
+    m = Fn(moe_combine_naive, k=k)
+    out, mgr, _, after = run(m, (rows, order, local), "C", 1, strict=True)
+    assert mgr.counts == {"C": 1}
+    torch.testing.assert_close(out, m(rows, order, local), rtol=1e-6, atol=1e-6)
+    assert_expected_inline(graph_text(after), """\
+class GraphModule(torch.nn.Module):
+    def forward(self, L_args_0_: "f32[8, 32]", L_args_2_: "b8[8]", L_args_1_: "i64[8]"):
+        l_args_0_ = L_args_0_
+        l_args_2_ = L_args_2_
+        l_args_1_ = L_args_1_
+        moe_combine = minidi_ops_moe_combine_moe_combine(l_args_0_, l_args_1_, l_args_2_, 2, backend = 'triton');  l_args_0_ = l_args_1_ = l_args_2_ = None
+        return (moe_combine,)
+""")
+
+
+def test_moe_combine_lookalike_where_other_predicate():
+    def combine_positive(rows, order, local, k):  # where on r > 0, not on the per-row local mask
+        r = rows.float()
+        r = torch.where(r > 0, r, torch.zeros_like(r))
+        slots = torch.zeros_like(r).index_copy_(0, order, r)
+        return slots.view(-1, k, r.shape[-1]).sum(dim=1)
+
+    rows, order, local, k = moe_inputs(torch.Generator().manual_seed(0))
+    rows = rows.nan_to_num()
+    _, mgr, before, after = run(Fn(combine_positive, k=k), (rows, order, local), "C")
+    assert mgr.counts == {"C": 0} and graph_text(before) == graph_text(after)
+
+
+# ---- E: gate ----------------------------------------------------------------------------------------------------------
+def gate(x, w):
+    return torch.sqrt(F.softplus(gate_logits_fp32(x, w)))
+
+
+def test_gate_rewrite():
+    g = torch.Generator().manual_seed(1)
+    x, w = torch.randn(5, 64, generator=g), torch.randn(8, 64, generator=g).bfloat16()
+    out, mgr, _, after = run(Fn(gate), (x, w), "E", 1, strict=True)
+    assert mgr.counts == {"E": 1}
+    torch.testing.assert_close(out, gate(x, w), rtol=1e-5, atol=1e-5)
+    assert_expected_inline(graph_text(after), """\
+class GraphModule(torch.nn.Module):
+    def forward(self, L_args_0_: "f32[5, 64]", L_args_1_: "bf16[8, 64]"):
+        l_args_0_ = L_args_0_
+        l_args_1_ = L_args_1_
+        gate_tf32x3 = minidi_ops_gate_tf32x3_gate_tf32x3(l_args_0_, l_args_1_, backend = 'triton');  l_args_0_ = l_args_1_ = None
+        softplus: "f32[5, 8]" = torch._C._nn.softplus(gate_tf32x3);  gate_tf32x3 = None
+        sqrt: "f32[5, 8]" = torch.sqrt(softplus);  softplus = None
+        return (sqrt,)
+""")
+
+
+def test_gate_lookalike_head_gemm_not_taken():
+    def head(x, w):  # the same fp32 GEMM shape as the gate, but not feeding the router's softplus
+        return x.float() @ w.float().t()
+
+    g = torch.Generator().manual_seed(1)
+    _, mgr, before, after = run(Fn(head), (torch.randn(5, 64, generator=g), torch.randn(8, 64, generator=g)), "E")
+    assert mgr.counts == {"E": 0} and graph_text(before) == graph_text(after)
+
+
+# ---- A: sparse attention ----------------------------------------------------------------------------------------------
+def attn_inputs(g, comp: bool):
+    t, h, d, nw, nc, w, kk = 5, 4, 32, 12, 6, 4, 3
+    q = torch.randn(t, h, d, generator=g)
+    wkv, ckv = torch.randn(nw, d, generator=g), torch.randn(nc, d, generator=g)
+    widx = torch.randint(0, nw, (t, w), generator=g)
+    widx[:, 0] = -1
+    cidx = torch.randint(-1, nc, (t, kk), generator=g)
+    sink = torch.randn(h, generator=g)
+    return (q, wkv, widx, ckv, cidx, sink) if comp else (q, wkv, widx, None, None, sink)
+
+
+@pytest.mark.parametrize("comp", [True, False], ids=["window+compressed", "window-only"])
+def test_sparse_attention_rewrite(comp):
+    args = attn_inputs(torch.Generator().manual_seed(2), comp)
+    m = Fn(sparse_attention_naive, scale=0.125)
+    out, mgr, _, after = run(m, args, "A", 1, strict=True)
+    assert mgr.counts == {"A": 1}
+    torch.testing.assert_close(out, m(*args), rtol=1e-5, atol=1e-5)
+    targets = call_targets(after)
+    assert "minidi.ops.sparse_attention.sparse_attention" in targets
+    assert not {"einsum", "cat", "where", "amax"} & set(targets)
+    if comp:
+        assert_expected_inline(graph_text(after), """\
+class GraphModule(torch.nn.Module):
+    def forward(self, L_args_2_: "i64[5, 4]", L_args_1_: "f32[12, 32]", L_args_4_: "i64[5, 3]", L_args_3_: "f32[6, 32]", L_args_0_: "f32[5, 4, 32]", L_args_5_: "f32[4]"):
+        l_args_2_ = L_args_2_
+        l_args_1_ = L_args_1_
+        l_args_4_ = L_args_4_
+        l_args_3_ = L_args_3_
+        l_args_0_ = L_args_0_
+        l_args_5_ = L_args_5_
+        sparse_attention = minidi_ops_sparse_attention_sparse_attention(l_args_0_, l_args_1_, l_args_2_, l_args_3_, l_args_4_, l_args_5_, 0.125, backend = 'triton');  l_args_0_ = l_args_1_ = l_args_2_ = l_args_3_ = l_args_4_ = l_args_5_ = None
+        return (sparse_attention,)
+""")
+
+
+def test_sparse_attention_lookalike_gather_not_feeding_attention():
+    g = torch.Generator().manual_seed(3)
+    pool, new = torch.randn(6, 16, generator=g), torch.randn(3, 16, generator=g)
+    empty = torch.zeros(0, dtype=torch.long)
+    rm = RatioMeta(group_idx=empty, prev_idx=empty, entry_pos=empty, pend_src=empty, pend_dst=empty,
+                   view_idx=torch.tensor([0, 2, -1, 7, 8]), pool_src=empty, pool_dst=empty, k_start=empty,
+                   k_end=empty)
+
+    def view(pool, new):  # gather + where(-1 -> 0), exactly the key assembly, but no attention after it
+        return compressed_view(None, torch.cat([pool, new]), rm)
+
+    _, mgr, before, after = run(Fn(view), (pool, new), "A")
+    assert mgr.counts == {"A": 0} and graph_text(before) == graph_text(after)
+
+
+def test_sparse_attention_lookalike_other_contraction():
+    def attn_other(q, kv, idx, sink, scale=0.125):  # scores contracted over heads ("thd,tkd->tdk"): not attention
+        keys = kv[idx.clamp(min=0)]
+        valid = idx >= 0
+        keys = torch.where(valid.unsqueeze(-1), keys, torch.zeros_like(keys))
+        s = torch.einsum("thd,tkd->tdk", q.float(), keys.float()) * scale
+        s = s.masked_fill(~valid.unsqueeze(1), float("-inf"))
+        m = s.amax(dim=-1, keepdim=True)
+        e = torch.exp(s - m)
+        denom = e.sum(dim=-1, keepdim=True) + torch.exp(sink.float().view(1, -1, 1) - m)
+        return (torch.einsum("thk,tkd->thd", e.to(q.dtype).float(), keys.float()) / denom).to(q.dtype)
+
+    g = torch.Generator().manual_seed(4)
+    q, kv = torch.randn(5, 16, 16, generator=g), torch.randn(9, 16, generator=g)
+    idx, sink = torch.randint(-1, 9, (5, 4), generator=g), torch.randn(16, generator=g)
+    _, mgr, before, after = run(Fn(attn_other), (q, kv, idx, sink), "A")
+    assert mgr.counts == {"A": 0} and graph_text(before) == graph_text(after)
+
+
+# ---- B: indexer top-k -------------------------------------------------------------------------------------------------
+def indexer_inputs(g, allowed: bool):
+    t, h, d, n = 6, 8, 32, 24
+    q, k, w = torch.randn(t, h, d, generator=g), torch.randn(n, d, generator=g), torch.randn(t, h, generator=g)
+    k_start = torch.tensor([0, 0, 0, 10, 10, 10])
+    k_end = torch.tensor([3, 7, 10, 12, 18, 24])
+    al = torch.rand(t, n, generator=g) > 0.3 if allowed else None
+    return q, k, w, k_start, k_end, al
+
+
+def indexer(q, k, w, k_start, k_end, allowed):
+    return indexer_topk_naive(q, k, w, k_start, k_end, 4, allowed)
+
+
+@pytest.mark.parametrize("allowed", [False, True], ids=["plain", "allowed"])
+def test_indexer_rewrite(allowed):
+    args = indexer_inputs(torch.Generator().manual_seed(5), allowed)
+    m = Fn(indexer)
+    (idx, scores), mgr, _, after = run(m, args, "B", 1, strict=True)
+    ref_idx, ref_scores = m(*args)
+    assert mgr.counts == {"B": 1}
+    torch.testing.assert_close(scores, ref_scores, rtol=1e-5, atol=1e-5)
+    # the same top-k set (the op lists it in ascending key order, -1 for picks scored -inf)
+    ref = ref_idx.masked_fill(torch.gather(ref_scores, 1, ref_idx.clamp(min=0)) == -math.inf, -1)
+    assert torch.equal(idx.sort(dim=1).values, ref.sort(dim=1).values)
+    if not allowed:
+        assert_expected_inline(graph_text(after), """\
+class GraphModule(torch.nn.Module):
+    def forward(self, L_args_1_: "f32[24, 32]", L_args_0_: "f32[6, 8, 32]", L_args_2_: "f32[6, 8]", L_args_3_: "i64[6]", L_args_4_: "i64[6]"):
+        l_args_1_ = L_args_1_
+        l_args_0_ = L_args_0_
+        l_args_2_ = L_args_2_
+        l_args_3_ = L_args_3_
+        l_args_4_ = L_args_4_
+        indexer_topk = minidi_ops_indexer_score_indexer_topk(l_args_0_, l_args_1_, l_args_2_, l_args_3_, l_args_4_, 4, None, backend = 'triton');  l_args_0_ = l_args_1_ = l_args_2_ = l_args_3_ = l_args_4_ = None
+        getitem_2 = indexer_topk[0]
+        getitem_3 = indexer_topk[1];  indexer_topk = None
+        return (getitem_2, getitem_3)
+""")
+
+
+def test_indexer_lookalike_other_contraction_and_predicate():
+    def per_token_keys(q, k, w, k_start, k_end, topk=4):  # "thd,tnd->thn": another contraction
+        s = torch.einsum("thd,tnd->thn", q, k.to(q.dtype))
+        s = (s.relu() * w.to(q.dtype).unsqueeze(-1)).sum(dim=1)
+        j = torch.arange(k.shape[1]).unsqueeze(0)
+        lo, hi = k_start.unsqueeze(1), k_end.unsqueeze(1)
+        s = s.masked_fill((j < lo) | (j >= hi), float("-inf"))
+        idx = s.topk(topk, dim=-1).indices
+        return torch.where((idx >= lo) & (idx < hi), idx, -1), s
+
+    def other_predicate(q, k, w, k_start, k_end, topk=4):  # the final where tests only idx >= lo
+        s = torch.einsum("thd,nd->thn", q, k.to(q.dtype))
+        s = (s.relu() * w.to(q.dtype).unsqueeze(-1)).sum(dim=1)
+        j = torch.arange(k.shape[0]).unsqueeze(0)
+        lo, hi = k_start.unsqueeze(1), k_end.unsqueeze(1)
+        s = s.masked_fill((j < lo) | (j >= hi), float("-inf"))
+        idx = s.topk(topk, dim=-1).indices
+        return torch.where(idx >= lo, idx, -1), s
+
+    q, k, w, ks, ke, _ = indexer_inputs(torch.Generator().manual_seed(6), False)
+    for fn, kk in ((per_token_keys, k.expand(q.shape[0], -1, -1)), (other_predicate, k)):
+        _, mgr, before, after = run(Fn(fn), (q, kk, w, ks, ke), "B")
+        assert mgr.counts == {"B": 0} and graph_text(before) == graph_text(after), fn.__name__
+
+
+# ---- D: FP4 dequant + grouped GEMM --------------------------------------------------------------------------------------
+def experts_inputs(g):
+    e, n, kd, r = 3, 16, 64, 7
+    packed, scale = quantize_fp4(torch.randn(e, n, kd, generator=g))
+    x = torch.randn(r, kd, generator=g)
+    offs = torch.tensor([2, 2, 7], dtype=torch.int32)  # expert 1 gets no rows
+    return x, packed, scale.view(torch.uint8), offs
+
+
+def experts(x, packed, scale, offs):
+    return grouped_mm(x, dequant_expert_stack(packed, scale, x.dtype), offs)
+
+
+def test_fp4_grouped_mm_rewrite():
+    args = experts_inputs(torch.Generator().manual_seed(7))
+    out, mgr, _, after = run(Fn(experts), args, "D", 1, strict=True)
+    assert mgr.counts == {"D": 1}
+    torch.testing.assert_close(out, experts(*args), rtol=1e-5, atol=1e-5)
+    assert_expected_inline(graph_text(after), """\
+class GraphModule(torch.nn.Module):
+    def forward(self, L_args_0_: "f32[7, 64]", L_args_1_: "i8[3, 16, 32]", L_args_2_: "u8[3, 16, 2]", L_args_3_: "i32[3]"):
+        l_args_0_ = L_args_0_
+        l_args_1_ = L_args_1_
+        l_args_2_ = L_args_2_
+        l_args_3_ = L_args_3_
+        fp4_grouped_mm = minidi_ops_fp4_grouped_gemm_fp4_grouped_mm(l_args_0_, l_args_1_, l_args_2_, l_args_3_, backend = 'triton');  l_args_0_ = l_args_1_ = l_args_2_ = l_args_3_ = None
+        return (fp4_grouped_mm,)
+""")
+
+
+def test_fp4_lookalike_dequant_without_grouped_gemm():
+    def dense(x, packed, scale, offs):  # the dequantised stack used by a plain GEMM of expert 0
+        return x @ dequant_expert_stack(packed, scale, x.dtype)[0].t() + offs.sum()
+
+    args = experts_inputs(torch.Generator().manual_seed(7))
+    _, mgr, before, after = run(Fn(dense), args, "D")
+    assert mgr.counts == {"D": 0} and graph_text(before) == graph_text(after)
+
+
+# ---- strict mode on a small module --------------------------------------------------------------------------------------
+def test_strict_fails_loudly_when_a_pass_is_broken(monkeypatch):
+    from minidi.passes.rewrite_moe_combine import MoECombine
+
+    monkeypatch.setattr(MoECombine, "match", lambda self, node: None)  # a pass that silently stopped matching
+    rows, order, local, k = moe_inputs(torch.Generator().manual_seed(0))
+    compiled = compile_with(Fn(moe_combine_naive, k=k), "C", n_sites=1, strict=True)
+    with pytest.raises(Exception, match=r"pass C \(moe_combine\): expected 1 site\(s\), matched 0") as info:
+        compiled(rows, order, local)
+    assert isinstance(info.value, PassMatchError) or "PassMatchError" in repr(info.value) + str(info.value)
+
+
+def test_non_strict_warns_and_keeps_the_naive_path(monkeypatch):
+    from minidi.passes.rewrite_moe_combine import MoECombine
+
+    monkeypatch.setattr(MoECombine, "match", lambda self, node: None)
+    rows, order, local, k = moe_inputs(torch.Generator().manual_seed(0))
+    m = Fn(moe_combine_naive, k=k)
+    compiled = compile_with(m, "C", n_sites=1, strict=False)
+    with pytest.warns(UserWarning, match=r"pass C \(moe_combine\): expected 1 site\(s\), matched 0"):
+        out = compiled(rows, order, local)
+    torch.testing.assert_close(out, m(rows, order, local))
+
+
+def test_pass_selection_and_uuid():
+    from minidi.passes import PassManager, select
+
+    assert select("all") == ["C", "E", "D", "A", "B"] and select("none") == [] and select(None) == []
+    assert select("B,a") == ["A", "B"] and select(["moe_combine", "E"]) == ["C", "E"]
+    with pytest.raises(ValueError, match="unknown pass 'Z'"):
+        select("Z")
+    assert PassManager("all").uuid() == PassManager("all").uuid()
+    assert PassManager("all").uuid() != PassManager("A,B").uuid()
+    assert minidi.compile is minidi.passes.compile
