@@ -151,8 +151,3 @@ class CacheManager:
         t = self.tensors
         layers = [layer for layer in t.comp if self.cfg.ratio(layer) == m]
         return [t.comp[layer] for layer in layers] + [t.index_k[layer] for layer in layers if layer in t.index_k]
-
-    def used_tokens(self) -> int:
-        """Cached positions the pages can hold that are in use (by the finest ratio's page count)."""
-        m = min(self.ratios) if self.ratios else 1
-        return (self.n_pages[m] - len(self.free_pages[m])) * self.page_size * m

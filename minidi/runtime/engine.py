@@ -165,13 +165,7 @@ class Engine:
         seq.result.preemptions += 1
 
     def _done(self, seq: _Seq) -> bool:
-        generated = len(seq.tokens) - seq.start - len(self._prompt(seq))
-        return seq.cache.length == len(seq.tokens) and generated >= seq.req.max_new_tokens
-
-    @staticmethod
-    def _prompt(seq: _Seq) -> list[int]:
-        t = seq.req.tokens
-        return t.tolist() if isinstance(t, torch.Tensor) else list(t)
+        return seq.cache.length == len(seq.tokens) and len(seq.result.tokens) >= seq.req.max_new_tokens
 
     def _run(self, seqs: list[_Seq], keep: bool) -> None:
         for i, s in enumerate(seqs):
@@ -218,8 +212,7 @@ class Engine:
                 else:
                     seq.logits = [seq_logits]
                 if seq.cache.length == len(seq.tokens):
-                    generated = len(seq.tokens) - seq.start - len(self._prompt(seq))
-                    if generated < seq.req.max_new_tokens:
+                    if len(seq.result.tokens) < seq.req.max_new_tokens:
                         nxt = int(seq_logits[-1].argmax())
                         seq.tokens.append(nxt)
                         seq.result.tokens.append(nxt)
