@@ -40,7 +40,6 @@ Legend: R rows (sorted by expert), E experts, N output columns, K input columns,
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import warnings
 
@@ -49,6 +48,8 @@ import triton
 import triton.language as tl
 
 from ._formats import e8m0_to_float as _e8m0_to_float
+from .fp4_grouped_gemm_configs import (DECODES, SCALED_EP1, SCALED_EP4, SCALED_SMALL, Fp4GemmConfig,  # noqa: F401
+                                       default_config, fallback_chain)
 from ._triton_utils import check_backend, dot, interpreting, triton_can_run
 
 X_DTYPES = (torch.bfloat16, torch.float32)
@@ -253,70 +254,7 @@ def _fp4_grouped_mm_kernel(
             tl.store(o_ptrs, y, mask=row_ok[:, None] & col_ok[None, :])
 
 
-# ---- configs and launch --------------------------------------------------------------------------------------------
-DECODES = ("manual", "asm", "scaled")
-
-
-@dataclasses.dataclass(frozen=True)
-class Fp4GemmConfig:
-    """Tile, decode and schedule of one launch.
-
-    decode: "asm" (PTX byte-lookup decode + bf16x2 scale multiply; arithmetic decode in the interpreter), "scaled"
-    (``tl.dot_scaled``, bf16 x only) or "manual" (integer/fp32 arithmetic; the fp32-x path). swap: acc^T = W x^T.
-    ``progs_per_sm`` sizes the persistent grid on the GPU; ``progs`` overrides it (tests use it everywhere).
-    """
-
-    BM: int = 128
-    BN: int = 128
-    BK: int = 128
-    num_warps: int = 8
-    num_stages: int = 3
-    swap: bool = True
-    decode: str = "asm"
-    progs_per_sm: int = 1
-    progs: int | None = None
-
-    def name(self) -> str:
-        return (f"{self.decode}{'_swap' if self.swap else ''}_m{self.BM}n{self.BN}k{self.BK}"
-                f"_w{self.num_warps}s{self.num_stages}p{self.progs_per_sm}")
-
-
-# Known-good GPU configs, measured on the H200 (Triton 3.6; R = 24,576 rows): the fallbacks of the "asm" defaults.
-# EP4 (256 rows / expert): 2.56 ms = 226 TFLOP/s; EP1 (64 rows / expert): 6.98 ms = 83 TFLOP/s.
-SCALED_EP4 = Fp4GemmConfig(BM=256, BN=128, BK=128, num_warps=8, num_stages=3, swap=False, decode="scaled")
-SCALED_EP1 = Fp4GemmConfig(BM=64, BN=128, BK=128, num_warps=8, num_stages=4, swap=False, decode="scaled")
-SCALED_SMALL = Fp4GemmConfig(BM=128, BN=128, BK=128, num_warps=8, num_stages=3, swap=False, decode="scaled")  # 150
-
-
-def _is_ep4_like(r: int, e: int) -> bool:
-    return r / max(e, 1) >= 160  # mean rows per expert, known on the host without a sync
-
-
-def default_config(r: int, e: int, n: int, k: int, dtype: torch.dtype, device: torch.device) -> Fp4GemmConfig:
-    """Heuristic by mean rows per expert. GPU bf16: the "asm" decode (compiles on Triton 3.6 and 3.9; sm_90 SASS of
-    BM 256: 313 instructions per 64-wide K step, no spills, 112 KB smem, vs 568 and 60 B of spills per 128-wide step
-    for the measured "scaled" BM 256), falling back to ``SCALED_*`` (see ``fallback_chain``)."""
-    if device.type != "cuda":  # interpreter: small tiles keep the numpy emulation fast
-        return Fp4GemmConfig(BM=32, BN=32, BK=64, num_warps=4, num_stages=1,
-                             decode="asm" if dtype == torch.bfloat16 else "manual", progs=4)
-    if dtype == torch.float32:  # test mode: IEEE fp32 dot, manual decode
-        return Fp4GemmConfig(BM=64, BN=64, BK=32, num_warps=4, num_stages=2, decode="manual")
-    if _is_ep4_like(r, e):  # EP4-like (256 rows per expert): one 256-row tile per expert, decode amortised
-        return Fp4GemmConfig(BM=256, BN=128, BK=64, num_warps=8, num_stages=3, swap=True, decode="asm")
-    # EP1-like (64 rows per expert): every expert's weights decoded once per column tile
-    return Fp4GemmConfig(BM=64, BN=128, BK=128, num_warps=8, num_stages=4, swap=True, decode="asm")
-
-
-def fallback_chain(r: int, e: int, n: int, k: int, dtype: torch.dtype, device: torch.device) -> list[Fp4GemmConfig]:
-    """The default config, then known-good fast configs of the same regime (never the slow "manual" decode for bf16
-    x on the GPU). fp32 x and the interpreter: the default only."""
-    first = default_config(r, e, n, k, dtype, device)
-    if device.type != "cuda" or dtype != torch.bfloat16:
-        return [first]
-    known = [SCALED_EP4, SCALED_SMALL] if _is_ep4_like(r, e) else [SCALED_EP1, SCALED_SMALL]
-    return [first] + [c for c in known if c != first]
-
-
+# ---- launch (configs: fp4_grouped_gemm_configs.py) --------------------------------------------------------------------------------------------
 @functools.lru_cache(maxsize=None)
 def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
