@@ -12,10 +12,11 @@ from torch import nn
 
 from .compressor import CompressorV4, CompressorV41
 from .config import ModelConfig
-from .context import ModelCache, RatioMeta, SharedSlots, StepMeta
+from .context import LayerCache, RatioMeta, SharedSlots, StepMeta
 from .indexer import IndexerV4, IndexerV41, candidate_mask, indexer_topk_naive
 from .layers import FP8Linear, RMSNorm, apply_rope, rms_norm, rope_cos_sin, rope_inv_freq, weight_param
 from .quant import fq4_e4m3, fq8
+from . import stages
 from .sparse_attention import sparse_attention_naive
 
 
@@ -34,6 +35,12 @@ class Attention(nn.Module):
         # grouped output projection: wo_a is a bf16 einsum on the dequantised weight, no activation quant
         self.wo_a = FP8Linear(h * d // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, cfg, quant_input=False)
         self.wo_b = FP8Linear(cfg.o_groups * cfg.o_lora_rank, cfg.dim, cfg)
+        # the layer's roles, fixed at build time (forward never reads layer_id: see LayerCache)
+        self.kv_source, self.index_source = cfg.is_kv_source(layer_id), cfg.is_index_source(layer_id)
+        self.owns_index_keys = cfg.owns_index_keys(layer_id)
+        self.candidate_filtered = cfg.is_candidate_filtered(layer_id)
+        self.candidate_source = layer_id == cfg.candidate_source_layer
+        self.v4_indexer = not cfg.is_v41 and cfg.has_indexer(layer_id)
         if cfg.is_kv_source(layer_id):
             self.compressor = CompressorV41(cfg, self.ratio) if cfg.is_v41 else CompressorV4(cfg, self.ratio, d)
         if cfg.is_v41 and cfg.is_index_source(layer_id):
@@ -55,9 +62,9 @@ class Attention(nn.Module):
         nope = self.cfg.nope_head_dim
         return torch.cat([fq8(kv[..., :nope], 64), kv[..., nope:]], dim=-1)
 
-    def forward(self, x: torch.Tensor, meta: StepMeta, cache: ModelCache, shared: SharedSlots) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, meta: StepMeta, cache: LayerCache, shared: SharedSlots) -> torch.Tensor:
         """x [T, D] (attn-normed) -> [T, D]. Reads and updates this layer's cache rows."""
-        cfg, layer = self.cfg, self.layer_id
+        cfg = self.cfg
         t = x.shape[0]
         cos, sin = rope_cos_sin(meta.positions, self.inv_freq)
         q_lat = self.q_norm(self.wq_a(x))  # [T, q_lora]; also the indexer's query latent
@@ -66,59 +73,67 @@ class Attention(nn.Module):
             q = rms_norm(q, None, cfg.norm_eps)  # V4: per-head unweighted RMSNorm
         q = apply_rope(q, cos, sin)
         kv = self._quant_kv(apply_rope(self.kv_norm(self.wkv(x)), cos, sin))  # [T, d]: key = value, one head
-        window = _with_pool(cache.window.get(layer), kv)  # [Rw + T, d]: cached ring rows, then this step's
+        window = _with_pool(cache.window, kv)  # [Rw + T, d]: cached ring rows, then this step's
 
         comp_kv, comp_idx = None, None
         if self.ratio > 0:
             compressed = self._compressed_v41 if cfg.is_v41 else self._compressed_v4
             comp_kv, comp_idx = compressed(x, q_lat, cos, sin, meta, cache, shared)
+        stages.enter("attn.core", q)
         o = sparse_attention_naive(q, window, meta.window_idx, comp_kv, comp_idx, self.attn_sink, cfg.head_dim**-0.5)
-        if layer in cache.window:
-            cache.window[layer].index_copy_(0, meta.window_dst, window[meta.window_src])
+        stages.exit("attn.core", o)
+        if cache.window is not None:
+            cache.window.index_copy_(0, meta.window_dst, window[meta.window_src])
         o = apply_rope(o, cos, sin, inverse=True).view(t, cfg.o_groups, -1)  # [T, G, H*d/G]
         wo_a = self.wo_a.dequant(o.dtype).view(cfg.o_groups, cfg.o_lora_rank, -1)  # [G, o_lora, H*d/G]
         a = torch.einsum("tgi,goi->tgo", o, wo_a).flatten(1)  # [T, G*o_lora]
         return self.wo_b(a)
 
-    def _new_entries(self, x: torch.Tensor, rm: RatioMeta, cache: ModelCache):
+    def _new_entries(self, x: torch.Tensor, rm: RatioMeta, cache: LayerCache):
         """Run this layer's compressor on the step: -> (latent [Nn, dc], rotated + fake-quantised rows, cos, sin)."""
-        latent = self.compressor(x, rm, cache.pending.get(f"L{self.layer_id}"))
+        latent = self.compressor(x, rm, cache.pending)
         ccos, csin = rope_cos_sin(rm.entry_pos, self.inv_freq)
         rows = apply_rope(latent, ccos, csin)
         if self.cfg.fake_quant:
             rows = fq4_e4m3(rows, 16) if self.cfg.is_v41 else self._quant_kv(rows)
         return latent, rows, ccos, csin
 
-    def _compressed_v41(self, x, q_lat, cos, sin, meta: StepMeta, cache: ModelCache, shared: SharedSlots):
-        cfg, layer = self.cfg, self.layer_id
-        if cfg.is_kv_source(layer):
+    def _compressed_v41(self, x, q_lat, cos, sin, meta: StepMeta, cache: LayerCache, shared: SharedSlots):
+        cfg = self.cfg
+        if self.kv_source:
             rm = meta.ratios[self.ratio]
             latent, rows, ccos, csin = self._new_entries(x, rm, cache)
-            shared.comp_kv, shared.ratio = compressed_view(cache.comp.get(layer), rows, rm), self.ratio
-            if cfg.owns_index_keys(layer):
+            shared.comp_kv, shared.ratio = compressed_view(cache.comp, rows, rm), self.ratio
+            if self.owns_index_keys:
+                stages.enter("indexer", latent)
                 keys = self.indexer.keys(latent, ccos, csin)
-                shared.index_k = compressed_view(cache.index_k.get(layer), keys, rm)
-        if cfg.is_index_source(layer):
+                stages.exit("indexer", keys)
+                shared.index_k = compressed_view(cache.index_k, keys, rm)
+        if self.index_source:
             rm = meta.ratios[shared.ratio]
+            stages.enter("indexer", q_lat)
             qi, wi = self.indexer.queries(x, q_lat, cos, sin)
-            allowed = shared.candidates if cfg.is_candidate_filtered(layer) else None
+            allowed = shared.candidates if self.candidate_filtered else None
             idx, scores = indexer_topk_naive(qi, shared.index_k, wi, rm.k_start, rm.k_end, cfg.index_topk, allowed)
-            if layer == cfg.candidate_source_layer:
+            if self.candidate_source:
                 shared.candidates = candidate_mask(scores, rm.k_start, rm.k_end, cfg.candidate_topk_blocks,
                                                    cfg.candidate_block_size)
+            stages.exit("indexer", idx)
             shared.topk = idx
         return shared.comp_kv, shared.topk
 
-    def _compressed_v4(self, x, q_lat, cos, sin, meta: StepMeta, cache: ModelCache, shared: SharedSlots):
-        cfg, layer = self.cfg, self.layer_id
+    def _compressed_v4(self, x, q_lat, cos, sin, meta: StepMeta, cache: LayerCache, shared: SharedSlots):
+        cfg = self.cfg
         rm = meta.ratios[self.ratio]
         _, rows, _, _ = self._new_entries(x, rm, cache)
-        view = compressed_view(cache.comp.get(layer), rows, rm)
-        if cfg.has_indexer(layer):
-            keys = self.indexer.keys(x, rm, cache.pending.get(f"L{layer}.index"), self.inv_freq)
-            keys = compressed_view(cache.index_k.get(layer), keys, rm)
+        view = compressed_view(cache.comp, rows, rm)
+        if self.v4_indexer:
+            stages.enter("indexer", q_lat)
+            keys = self.indexer.keys(x, rm, cache.pending_index, self.inv_freq)
+            keys = compressed_view(cache.index_k, keys, rm)
             qi, wi = self.indexer.queries(x, q_lat, cos, sin)
             idx, _ = indexer_topk_naive(qi, keys, wi, rm.k_start, rm.k_end, cfg.index_topk)
+            stages.exit("indexer", idx)
         else:  # heavily compressed: attend densely to every visible entry of the query's sequence
             j = torch.arange(view.shape[0], device=x.device).unsqueeze(0)
             idx = torch.where((j >= rm.k_start.unsqueeze(1)) & (j < rm.k_end.unsqueeze(1)), j, -1)

@@ -88,6 +88,25 @@ class ModelCache:
     index_k: dict[int, torch.Tensor] = field(default_factory=dict)
     pending: dict[str, torch.Tensor] = field(default_factory=dict)
 
+    def layer(self, layer: int) -> "LayerCache":
+        """The tensors of one layer (None where the layer keeps nothing, or nothing is cached)."""
+        return LayerCache(window=self.window.get(layer), comp=self.comp.get(layer), index_k=self.index_k.get(layer),
+                          pending=self.pending.get(f"L{layer}"), pending_index=self.pending.get(f"L{layer}.index"))
+
+
+@dataclass
+class LayerCache:
+    """One layer's cache tensors (views into ``ModelCache``'s pools, updated in place by the layer).
+
+    A layer receives only its own tensors, never its index: layers of the same kind then trace to the same graph, so
+    a per-layer (regional) compile reuses one compiled graph for all of them (``minidi.compile(regional=True)``)."""
+
+    window: torch.Tensor | None = None
+    comp: torch.Tensor | None = None
+    index_k: torch.Tensor | None = None
+    pending: torch.Tensor | None = None
+    pending_index: torch.Tensor | None = None
+
 
 @dataclass
 class SharedSlots:

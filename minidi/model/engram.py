@@ -41,11 +41,11 @@ class Engram(nn.Module):
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [T, n, D] streams, ids [T, R] hashed rows -> updated streams [T, n, D]."""
-        t, n, d = x.shape
+        n, d = x.shape[1:]
         eps = self.cfg.norm_eps
-        kv = self.wkv(self.embed(ids, x.dtype).flatten(1))  # [T, (n+1)*D]
-        key = kv[:, : n * d].view(t, n, d).float()
-        value = kv[:, n * d :].float()  # [T, D], added to every stream
+        kv = self.wkv(self.embed(ids, x.dtype).flatten(1)).unflatten(-1, (n + 1, d))  # [T, n+1, D]
+        key = kv[:, :n].float()  # [T, n, D]
+        value = kv[:, n].float()  # [T, D], added to every stream
         w = self.q_weight.float() * self.k_weight.float()  # [n, D]; only the product is used
         xf = x.float()
         rho = torch.rsqrt(xf.square().mean(-1) + eps) * torch.rsqrt(key.square().mean(-1) + eps)  # [T, n]

@@ -60,7 +60,7 @@ def candidate_mask(
     bs = bs.masked_fill(force, float("inf"))
     vals, blocks = bs.topk(min(keep_blocks, bs.shape[1]), dim=-1)
     keep = torch.zeros_like(bs, dtype=torch.bool).scatter(1, blocks, vals > float("-inf"))
-    return keep.repeat_interleave(block, dim=1)[:, :n]
+    return keep[:, torch.arange(n, device=keep.device) // block]  # [T, N], contiguous (stride independent of pad)
 
 
 class IndexerV41(nn.Module):

@@ -12,7 +12,8 @@ from torch import nn
 
 from .attention import Attention
 from .config import ModelConfig
-from .context import ModelCache, SharedSlots, StepMeta
+from . import stages
+from .context import LayerCache, ModelCache, SharedSlots, StepMeta
 from .engram import Engram
 from .engram_hash import EngramTables, engram_hash_ids_packed, engram_tables, test_token_map
 from .hyper_connections import hc_collapse, hc_expand, hc_head, hc_mixer
@@ -33,31 +34,45 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.attn = Attention(cfg, layer_id)
         self.ffn = MoE(cfg, layer_id)
-        if layer_id in cfg.engram_layers:
-            self.engram = Engram(cfg, cfg.engram_num_embeddings[cfg.engram_layers.index(layer_id)])
+        self.has_engram = layer_id in cfg.engram_layers
+        if self.has_engram:
+            self.engram = Engram(cfg, cfg.engram_rows(layer_id))
 
     def _mix(self, site: str, x: torch.Tensor):
         c = self.cfg
         return hc_mixer(x, getattr(self, f"hc_{site}_fn"), getattr(self, f"hc_{site}_base"),
                         getattr(self, f"hc_{site}_scale"), c.hc_sinkhorn_iters, c.hc_eps, c.norm_eps)
 
-    def forward(self, x: torch.Tensor, pre: torch.Tensor | None, meta: StepMeta, cache: ModelCache,
-                shared: SharedSlots, engram_ids: dict[int, torch.Tensor]):
-        """x [T, n, D] streams. V4.1 (single pass): ``pre`` comes from the previous site and the one computed here
-        collapses the next site's input; V4: every site uses its own ``pre``. Returns (streams, pre for next)."""
+    def _attn(self, x: torch.Tensor, meta: StepMeta, cache: LayerCache, shared: SharedSlots) -> torch.Tensor:
+        stages.enter("attn", x)
+        h = self.attn(x, meta, cache, shared)
+        stages.exit("attn", h)
+        return h
+
+    def _ffn(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        stages.enter("moe", x)
+        h = self.ffn(x, input_ids)
+        stages.exit("moe", h)
+        return h
+
+    def forward(self, x: torch.Tensor, pre: torch.Tensor | None, meta: StepMeta, cache: LayerCache,
+                shared: SharedSlots, engram_ids: torch.Tensor | None = None):
+        """x [T, n, D] streams; ``cache`` this layer's tensors; ``engram_ids`` this layer's hash ids (Engram layers).
+        V4.1 (single pass): ``pre`` comes from the previous site and the one computed here collapses the next site's
+        input; V4: every site uses its own ``pre``. Returns (streams, pre for next)."""
         if self.cfg.is_v41:
-            if hasattr(self, "engram"):
-                x = self.engram(x, engram_ids[self.layer_id])
+            if self.has_engram:
+                x = self.engram(x, engram_ids)
             pre_a, post, comb = self._mix("attn", x)
-            h = self.attn(self.attn_norm(hc_collapse(x, pre)), meta, cache, shared)
+            h = self._attn(self.attn_norm(hc_collapse(x, pre)), meta, cache, shared)
             x = hc_expand(x, h, post, comb)
             pre_f, post, comb = self._mix("ffn", x)
-            h = self.ffn(self.ffn_norm(hc_collapse(x, pre_a)), meta.input_ids)
+            h = self._ffn(self.ffn_norm(hc_collapse(x, pre_a)), meta.input_ids)
             return hc_expand(x, h, post, comb), pre_f
         pre_a, post, comb = self._mix("attn", x)
-        x = hc_expand(x, self.attn(self.attn_norm(hc_collapse(x, pre_a)), meta, cache, shared), post, comb)
+        x = hc_expand(x, self._attn(self.attn_norm(hc_collapse(x, pre_a)), meta, cache, shared), post, comb)
         pre_f, post, comb = self._mix("ffn", x)
-        return hc_expand(x, self.ffn(self.ffn_norm(hc_collapse(x, pre_f)), meta.input_ids), post, comb), None
+        return hc_expand(x, self._ffn(self.ffn_norm(hc_collapse(x, pre_f)), meta.input_ids), post, comb), None
 
 
 class Transformer(nn.Module):
@@ -77,6 +92,7 @@ class Transformer(nn.Module):
             self.hc_head_base = weight_param(cfg.hc_mult, dtype=torch.float32)
             self.hc_head_scale = weight_param(1, dtype=torch.float32)
         self._register_engram_buffers()
+        self.layer_hook = None  # called with the layer index before each layer (regional compilation's bookkeeping)
 
     # ---- Engram host-side tables (not in the checkpoint) --------------------------------------------------------------
     def _register_engram_buffers(self) -> None:
@@ -117,8 +133,20 @@ class Transformer(nn.Module):
         out = {}
         for layer in cfg.engram_layers:
             t = EngramTables(*(getattr(self, f"engram_{n}_{layer}") for n in EngramTables._fields))
-            out[layer] = engram_hash_ids_packed(comp, meta.engram_src, t, pad)
+            ids = engram_hash_ids_packed(comp, meta.engram_src, t, pad)
+            if cfg.engram_table_rows:  # benchmark-only smaller random table (config.engram_table_rows)
+                ids = ids % cfg.engram_rows(layer)
+            out[layer] = ids
         return out
+
+    def set_expert_exchange(self, exchange) -> None:
+        """Install how every MoE meets the other ranks' tokens (``expert_parallel``); its size must be the config's
+        ``ep_size`` (the experts this model holds)."""
+        if exchange.size != self.cfg.ep_size:
+            raise ValueError(f"expert exchange for EP{exchange.size} on a model built with ep_size "
+                             f"{self.cfg.ep_size}: build the model with ep_size={exchange.size}")
+        for layer in self.layers:
+            layer.ffn.exchange = exchange
 
     @property
     def ratios(self) -> tuple[int, ...]:
@@ -156,8 +184,10 @@ class Transformer(nn.Module):
             pre = torch.zeros(h.shape[0], cfg.hc_mult, device=h.device)
             pre[:, 0] = 1.0
         shared = SharedSlots()
-        for layer in self.layers:
-            x, pre = layer(x, pre, meta, cache, shared, engram_ids)
+        for i, layer in enumerate(self.layers):
+            if self.layer_hook is not None:
+                self.layer_hook(i)
+            x, pre = layer(x, pre, meta, cache.layer(i), shared, engram_ids.get(i))
         x = x[meta.logit_rows]
         if cfg.is_v41:
             y = hc_collapse(x, pre[meta.logit_rows])

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
+from .expert_parallel import EmulatedEP, LocalExperts
 from .layers import FP8Linear, e8m0_bytes, scale_param, weight_param
 from .quant import dequant_fp4, fq8
 
@@ -108,39 +109,39 @@ def _as_stack(parts: list[torch.Tensor]) -> torch.Tensor:
 
 
 class RoutedExperts(nn.Module):
-    """FP4 experts, stacked: w1/w3 [E, I, D/2] int8 + [E, I, D/32] E8M0; w2 [E, D, I/2] + [E, D, I/32]."""
+    """This rank's FP4 experts, stacked: w1/w3 [El, I, D/2] int8 + [El, I, D/32] E8M0; w2 [El, D, I/2] + [El, D, I/32].
+
+    El = n_local_experts: all E on one device, E / ep_size under expert parallelism, where the stack holds the global
+    experts [first, first + El) (``ModelConfig.first_local_expert``)."""
 
     NAMES = ("w1", "w2", "w3")
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        e, i, d, b = cfg.n_routed_experts, cfg.moe_inter_dim, cfg.dim, cfg.fp4_block
+        e, i, d, b = cfg.n_local_experts, cfg.moe_inter_dim, cfg.dim, cfg.fp4_block
+        self.n_experts, self.first = cfg.n_routed_experts, cfg.first_local_expert
         shapes = {"w1": (i, d), "w3": (i, d), "w2": (d, i)}
         for name, (out, inp) in shapes.items():
             setattr(self, name, weight_param(e, out, inp // 2, dtype=torch.int8))
             setattr(self, f"{name}_scale", scale_param(e, out, inp // b))
-        # which experts this rank computes (all of them on one device; expert parallelism narrows it)
-        self.register_buffer("local", torch.ones(e, dtype=torch.bool), persistent=False)
-
-    def reset_buffers(self) -> None:
-        self.local = torch.ones(self.w1.shape[0], dtype=torch.bool, device=self.w1.device)
 
     # checkpoint names <-> stacked layout ----------------------------------------------------------------------------
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         for name in self.NAMES:
             w, s = getattr(self, name), getattr(self, f"{name}_scale")
             for e in range(w.shape[0]):
-                destination[f"{prefix}{e}.{name}.weight"] = w[e] if keep_vars else w[e].detach()
-                destination[f"{prefix}{e}.{name}.scale"] = (s[e] if keep_vars else s[e].detach()).view(
+                g = self.first + e  # checkpoint names carry the global expert id
+                destination[f"{prefix}{g}.{name}.weight"] = w[e] if keep_vars else w[e].detach()
+                destination[f"{prefix}{g}.{name}.scale"] = (s[e] if keep_vars else s[e].detach()).view(
                     torch.float8_e8m0fnu)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
-        n_exp = getattr(self, "w1").shape[0]
+        ids = range(self.first, self.first + getattr(self, "w1").shape[0])  # global ids of this rank's experts
         for name in self.NAMES:
             for suffix, attr in (("weight", name), ("scale", f"{name}_scale")):
                 param = getattr(self, attr)
-                keys = [f"{prefix}{e}.{name}.{suffix}" for e in range(n_exp)]
+                keys = [f"{prefix}{e}.{name}.{suffix}" for e in ids]
                 missing = [k for k in keys if k not in state_dict]
                 if missing:
                     missing_keys.extend(missing)
@@ -161,18 +162,21 @@ class RoutedExperts(nn.Module):
                     with torch.no_grad():
                         param.copy_(stacked)
         if strict:
-            known = {f"{prefix}{e}.{n}.{s}" for e in range(n_exp) for n in self.NAMES for s in ("weight", "scale")}
+            known = {f"{prefix}{e}.{n}.{s}" for e in ids for n in self.NAMES for s in ("weight", "scale")}
             unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and k not in known)
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
-        """x [T, D], idx/weights [T, k] -> [T, D] fp32 (sum over the token's experts)."""
+        """x [T, D], idx/weights [T, k] (global expert ids) -> [T, D] fp32: each token's sum over those of its experts
+        held here (all of them on one device)."""
         t, k = idx.shape
         dtype = x.dtype
-        flat = idx.flatten()  # [R] expert of each token-slot
+        n_local = self.w1.shape[0]
+        # this rank's experts first: local expert j has key j, the others keys >= n_local (no effect on one device)
+        flat = torch.remainder(idx.flatten() - self.first, self.n_experts)  # [R]
         order = flat.argsort(stable=True)  # sorted row -> token-slot
-        counts = torch.zeros(self.w1.shape[0], dtype=torch.long, device=flat.device).scatter_add_(
+        counts = torch.zeros(self.n_experts, dtype=torch.long, device=flat.device).scatter_add_(
             0, flat, torch.ones_like(flat))  # (bincount has a data-dependent output size)
-        offs = counts.cumsum(0).to(torch.int32)
+        offs = counts[:n_local].cumsum(0).to(torch.int32)  # rows past offs[-1] belong to other ranks' experts
         xs = x[order // k]  # [R, D] rows sorted by expert
         ws = weights.flatten()[order].unsqueeze(-1)  # [R, 1]
         w1 = dequant_expert_stack(self.w1, self.w1_scale, dtype)
@@ -185,7 +189,7 @@ class RoutedExperts(nn.Module):
         if cfg.fake_quant:
             a = fq8(a, cfg.act_block)
         rows = grouped_mm(a, w2, offs)  # [R, D]
-        return moe_combine_naive(rows, order, self.local[flat[order]], k)
+        return moe_combine_naive(rows, order, flat[order] < n_local, k)
 
 
 class MoE(nn.Module):
@@ -195,9 +199,11 @@ class MoE(nn.Module):
         self.gate = Gate(cfg, layer_id)
         self.experts = RoutedExperts(cfg)
         self.shared_experts = SharedExpert(cfg)
+        self.exchange: LocalExperts | EmulatedEP = LocalExperts()  # expert parallelism (model.set_expert_exchange)
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         """x [T, D] (ffn-normed) -> [T, D]: bf16(sum_e y_e + shared(x)), fp32 accumulation."""
         idx, w = self.gate(x, input_ids)
-        routed = self.experts(x, idx, w, self.cfg)
+        xs, idx, w = self.exchange.dispatch(x, idx, w)  # all ranks' tokens (identity on one device)
+        routed = self.exchange.combine(self.experts(xs, idx, w, self.cfg))
         return (routed + self.shared_experts(x).float()).to(x.dtype)

@@ -36,6 +36,11 @@ _FUNCTION_NAMES: dict[Any, str] = {
 if hasattr(torch, "_grouped_mm"):
     _FUNCTION_NAMES[torch._grouped_mm] = "_grouped_mm"
 
+# dunder methods that mean the same as the operator of that name (see op())
+_DUNDER_METHODS = {f"__{n}__": n for n in ("eq", "ne", "lt", "le", "gt", "ge", "mul", "add", "sub", "truediv",
+                                               "neg", "invert", "matmul", "lshift", "rshift", "floordiv", "getitem")}
+_DUNDER_METHODS.update({"__and__": "and", "__or__": "or"})
+
 _INPLACE_FUNCTIONS = {operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv}
 
 
@@ -44,7 +49,8 @@ def op(node: Any) -> str | None:
     if not isinstance(node, Node):
         return None
     if node.op == "call_method":
-        return node.target
+        # torch 2.11 records ``b == 0`` on a tensor as the method ``__eq__``; 2.13 as ``operator.eq``
+        return _DUNDER_METHODS.get(node.target, node.target)
     if node.op == "call_function":
         name = _FUNCTION_NAMES.get(node.target)
         if name is None and getattr(node.target, "__module__", None) in ("torch", "torch.functional"):

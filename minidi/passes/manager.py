@@ -126,6 +126,10 @@ class PassManager(_PassBase):
         self.sites: dict[str, list[int | None]] = {}  # layer of each match of the last graph
         self.history: list[dict[str, int]] = []  # counts of every graph this manager rewrote
         self.graphs: list[tuple[GraphModule, GraphModule]] = []  # (before, after) when keep_graphs
+        # regional compilation: the layer whose call is being compiled (sites then belong to it), and which layers
+        # compiled a graph, with that graph's counts
+        self.current_layer: int | None = None
+        self.layer_counts: dict[int, dict[str, int]] = {}
 
     # -- Inductor's CustomGraphPass interface ---------------------------------------------------------------------
     def uuid(self) -> str:
@@ -152,7 +156,8 @@ class PassManager(_PassBase):
                     continue
                 m = rw.match(node)
                 if m is not None and apply_match(g, m):
-                    found.append(site_of(m))
+                    site = site_of(m)
+                    found.append(self.current_layer if site is None else site)
             counts[rw.key], sites[rw.key] = len(found), found
             log.info("minidi pass %s (%s): %d site(s) matched", rw.key, rw.name, len(found))
         g.lint()
@@ -162,6 +167,10 @@ class PassManager(_PassBase):
                 self.graphs.append((before, copy.deepcopy(gm)))
         self.counts, self.sites = counts, sites
         self.history.append(dict(counts))
+        if self.current_layer is not None:
+            self.layer_counts[self.current_layer] = dict(counts)
+        log.info("minidi passes: graph %d compiled%s: %s", len(self.history),
+                 "" if self.current_layer is None else f" for layer {self.current_layer}", counts)
         self._check(counts, sites)
         return counts
 
@@ -172,7 +181,10 @@ class PassManager(_PassBase):
         for key in self.keys:
             if key not in self.expected:
                 continue
-            want, got = Counter(self.expected[key]), Counter(sites[key])
+            want = self.expected[key]
+            if self.current_layer is not None:  # a regional graph: the sites of the layer being compiled
+                want = [site for site in want if site == self.current_layer]
+            want, got = Counter(want), Counter(sites[key])
             if sum(want.values()) == counts[key] and want == got:
                 continue
             missed = sorted((want - got).elements())
@@ -221,6 +233,7 @@ def compile(  # noqa: A001 (minidi.compile mirrors torch.compile)
     keep_graphs: bool = False,
     fullgraph: bool = True,
     dynamic: bool | None = True,
+    regional: bool = False,
     **compile_kwargs: Any,
 ) -> Callable:
     """Compile a model step (a minidi ``Transformer``: its ``step``; or any callable / module) with minidi's passes.
@@ -241,7 +254,69 @@ def compile(  # noqa: A001 (minidi.compile mirrors torch.compile)
     if expected is None and isinstance(cfg, ModelConfig):
         expected = expected_sites(cfg)
     manager = PassManager(passes, strict=strict, expected=expected, op_backend=op_backend, keep_graphs=keep_graphs)
+    if regional:
+        return _compile_regional(owner, manager, backend, fullgraph=fullgraph, dynamic=dynamic, **compile_kwargs)
     compiled = torch.compile(fn, backend=make_backend(manager, backend), fullgraph=fullgraph, dynamic=dynamic,
                              **compile_kwargs)
     compiled.pass_manager = manager
     return compiled
+
+
+def layer_kind(block: torch.nn.Module) -> tuple:
+    """What makes two layers trace to the same graph: their roles (the forward reads nothing else that differs)."""
+    a = block.attn
+    return (a.ratio, a.kv_source, a.index_source, a.owns_index_keys, a.candidate_filtered, a.candidate_source,
+            a.v4_indexer, block.has_engram, block.ffn.gate.hash)
+
+
+class RegionalStep:
+    """A model step whose layers are compiled one by one (``minidi.compile(..., regional=True)``).
+
+    Each ``Block`` is compiled on its own; layers of the same kind (``layer_kind``) share one compiled graph, so a
+    40-layer model compiles a handful of graphs instead of one 40-layer graph (minutes less on the GPU). Everything
+    between the layers (embedding, Engram hashing, head) runs eagerly. With ``strict``, every compiled graph is
+    checked against the sites of the layer it was compiled for; ``counts`` is then the model's total, summing each
+    layer's graph (a layer that ran a graph compiled for another layer of its kind counts that graph)."""
+
+    def __init__(self, model: torch.nn.Module, manager: PassManager) -> None:
+        self.model, self.pass_manager = model, manager
+        self.kinds = [layer_kind(b) for b in model.layers]
+        model.layer_hook = self._before_layer
+
+    def _before_layer(self, i: int) -> None:
+        self.pass_manager.current_layer = i
+
+    def __call__(self, *args, **kwargs):
+        try:
+            return self.model.step(*args, **kwargs)
+        finally:
+            self.pass_manager.current_layer = None
+
+    @property
+    def counts(self) -> dict[str, int]:
+        """Matches summed over the model's layers (each layer counted with the graph of its kind)."""
+        by_kind = {self.kinds[i]: c for i, c in self.pass_manager.layer_counts.items()}
+        total: Counter = Counter({k: 0 for k in self.pass_manager.keys})
+        for i, kind in enumerate(self.kinds):
+            if kind not in by_kind:
+                raise RuntimeError(f"layer {i} ran no compiled graph of its kind {kind} (has the step run?)")
+            total.update(by_kind[kind])
+        return dict(total)
+
+    @property
+    def graphs(self) -> int:
+        return len(self.pass_manager.layer_counts)
+
+
+def _compile_regional(model: torch.nn.Module, manager: PassManager, backend: str | Callable, **compile_kwargs: Any
+                      ) -> RegionalStep:
+    if not hasattr(model, "layers") or not hasattr(model, "step"):
+        raise TypeError("regional compilation needs a minidi Transformer (with .layers and .step)")
+    limits = ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit", "accumulated_cache_size_limit")
+    for name in limits:  # one code object (Block.forward), one graph per layer kind: raise Dynamo's per-code cap
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 4 * len(model.layers)))
+    fn = make_backend(manager, backend)
+    for block in model.layers:
+        block.compile(backend=fn, **compile_kwargs)
+    return RegionalStep(model, manager)

@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -48,15 +49,35 @@ def load_model(
     """
     name = str(path_or_preset)
     if Path(name).is_dir():
-        cfg, tensors = load_checkpoint(name, device="cpu")
-        cfg = cfg.with_(**overrides) if overrides else cfg
-        return model_from_tensors(cfg, tensors, device)
+        return _from_checkpoint(Path(name), device, overrides)
     if name not in PRESETS:
         raise ValueError(f"{name!r} is neither a checkpoint directory nor a preset ({', '.join(PRESETS)})")
     if name.startswith("tiny"):
-        cfg, tensors = load_checkpoint(tiny_checkpoint(name, seed=seed), device="cpu")
-        cfg = cfg.with_(name=name, **overrides)
-        return model_from_tensors(cfg, tensors, device)
+        return _from_checkpoint(tiny_checkpoint(name, seed=seed), device, {"name": name, **overrides})
     cfg = preset(name, **overrides)
     return model_from_tensors(cfg, random_state_dict(cfg, seed=seed, device=device, share_experts=share_experts),
                               device)
+
+
+def _from_checkpoint(path: Path, device: str | torch.device, overrides: dict[str, Any]) -> Transformer:
+    """Load a checkpoint folder; with ``ep_size > 1`` only this rank's experts are read from disk."""
+    cfg = ModelConfig.from_hf_config(path) if (path / "config.json").is_file() else None
+    if cfg is not None and overrides:
+        cfg = cfg.with_(**overrides)
+    only = rank_experts_only(cfg) if cfg is not None and cfg.ep_size > 1 else None
+    cfg, tensors = load_checkpoint(path, cfg=cfg, device="cpu", only=only)
+    return model_from_tensors(cfg, tensors, device)
+
+
+_EXPERT = re.compile(r"\.ffn\.experts\.(\d+)\.")
+
+
+def rank_experts_only(cfg: ModelConfig):
+    """Name filter that skips the routed experts of other ranks (they are neither read nor reported)."""
+    lo, hi = cfg.first_local_expert, cfg.first_local_expert + cfg.n_local_experts
+
+    def wanted(name: str) -> bool:
+        m = _EXPERT.search(name)
+        return m is None or not (0 <= int(m.group(1)) < cfg.n_routed_experts) or lo <= int(m.group(1)) < hi
+
+    return wanted

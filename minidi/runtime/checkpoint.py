@@ -228,9 +228,11 @@ def load_checkpoint(
         for n in names:
             if is_skipped_name(n):
                 skip.append(n)
+            elif not wanted(n):
+                continue
             elif table is not None and n not in table:
                 unexpected.append(n)
-            elif wanted(n):
+            else:
                 todo.append(n)
         if not todo:
             continue

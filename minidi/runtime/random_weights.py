@@ -154,7 +154,7 @@ def random_state_dict(
             rows, d = spec.shape
             if share_engram:
                 if engram_src is None:
-                    engram_src = _engram_table(gen, max(cfg.engram_num_embeddings), d)
+                    engram_src = _engram_table(gen, max(cfg.engram_rows(li) for li in cfg.engram_layers), d)
                 q, s = engram_src[0][:rows], engram_src[1][:rows]
             else:
                 q, s = _engram_table(gen, rows, d)
@@ -167,8 +167,9 @@ def random_state_dict(
 
 
 def _layer_experts(gen: _Gen, cfg: ModelConfig, lp: str) -> dict[str, torch.Tensor]:
-    """All routed experts of one layer as per-expert views into [E, ...] stacks: ``{lp}ffn.experts.e.wX.{weight,scale}``."""
-    E, dim, inter, b = cfg.n_routed_experts, cfg.dim, cfg.moe_inter_dim, cfg.fp4_block
+    """This rank's routed experts of one layer as per-expert views into [E_local, ...] stacks:
+    ``{lp}ffn.experts.e.wX.{weight,scale}`` (with ``ep_size > 1`` expert e's draw depends on the rank layout)."""
+    E, dim, inter, b = cfg.n_local_experts, cfg.dim, cfg.moe_inter_dim, cfg.fp4_block
     stacks = {
         "w1": _experts_stack(gen, E, inter, dim, b),
         "w2": _experts_stack(gen, E, dim, inter, b),
@@ -177,6 +178,6 @@ def _layer_experts(gen: _Gen, cfg: ModelConfig, lp: str) -> dict[str, torch.Tens
     res: dict[str, torch.Tensor] = {}
     for e in range(E):
         for wn, (packed, scale) in stacks.items():
-            res[f"{lp}ffn.experts.{e}.{wn}.weight"] = packed[e]
-            res[f"{lp}ffn.experts.{e}.{wn}.scale"] = scale[e]
+            res[f"{lp}ffn.experts.{cfg.first_local_expert + e}.{wn}.weight"] = packed[e]
+            res[f"{lp}ffn.experts.{cfg.first_local_expert + e}.{wn}.scale"] = scale[e]
     return res

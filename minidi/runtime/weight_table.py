@@ -166,7 +166,7 @@ def _moe(tb: _Table, p: str, layer: int) -> None:
     tb.fp8(f"{p}ffn.shared_experts.w1", inter_s, c.dim)
     tb.fp8(f"{p}ffn.shared_experts.w2", c.dim, inter_s)
     tb.fp8(f"{p}ffn.shared_experts.w3", inter_s, c.dim)
-    for e in range(E):
+    for e in range(c.first_local_expert, c.first_local_expert + c.n_local_experts):  # this rank's experts
         tb.fp4(f"{p}ffn.experts.{e}.w1", c.moe_inter_dim, c.dim)
         tb.fp4(f"{p}ffn.experts.{e}.w2", c.dim, c.moe_inter_dim)
         tb.fp4(f"{p}ffn.experts.{e}.w3", c.moe_inter_dim, c.dim)
@@ -191,11 +191,10 @@ def expected_tensors(cfg: ModelConfig) -> dict[str, TensorSpec]:
     c = cfg
     n = c.hc_mult
     tb.plain("embed.weight", (c.vocab_size, c.dim), torch.bfloat16, "linear")
-    engram_rows = dict(zip(c.engram_layers, c.engram_num_embeddings))
     for layer in range(c.n_layers):
         p = f"layers.{layer}."
-        if layer in engram_rows:
-            _engram(tb, p, engram_rows[layer])
+        if layer in c.engram_layers:
+            _engram(tb, p, c.engram_rows(layer))
         _hc(tb, f"{p}hc_attn", (2 + n) * n, 3)
         _hc(tb, f"{p}hc_ffn", (2 + n) * n, 3)
         tb.plain(f"{p}attn_norm.weight", (c.dim,), torch.bfloat16, "norm")

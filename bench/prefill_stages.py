@@ -1,0 +1,236 @@
+"""Per-stage time of a profiled prefill step, from the Chrome trace ``torch.profiler`` exports.
+
+The model marks its stages with profiler ranges ``minidi/<stage>`` (``minidi.model.stages``; off unless
+``stages.enabled(True)`` was set before compiling). This file turns a trace into the reference report's categories:
+
+    sparse_attention_core <- minidi/attn.core        moe            <- minidi/moe (without moe.comm)
+    other_attention       <- minidi/attn (without    communication  <- minidi/moe.comm
+                             its nested ranges)      hc_norm_other  <- everything else
+    indexer               <- minidi/indexer
+
+CUDA runs: a range lives on the CPU thread that launched the work, while the kernels run later on the device, so
+each kernel / memcpy / memset is tied to its launch (``cudaLaunchKernel``, ``cuLaunchKernel``, ... same
+``args.correlation``) and charged to the innermost stage range *of the launching thread* that contains the launch.
+Device time is summed (overlapping streams count twice; ``gpu_busy_ms_per_step`` gives the same sum unattributed,
+to set against wall time). CPU runs have no device events: each stage gets the exclusive wall time of its ranges
+and hc_norm_other is what is left of the step ranges (``minidi/step``, opened by the benchmark around each step;
+stage ranges outside them are ignored so that "other" can never go negative).
+
+Only the exported JSON is read (no private profiler APIs), so a trace from another machine works too:
+``python bench/prefill_stages.py trace.json --steps 2``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from minidi.model.stages import PREFIX, STAGES
+from minidi.runtime.flops import CATEGORIES
+
+STAGE_CATEGORY = {
+    "attn.core": "sparse_attention_core",
+    "attn": "other_attention",
+    "indexer": "indexer",
+    "moe": "moe",
+    "moe.comm": "communication",
+}
+OTHER = "hc_norm_other"
+STEP_RANGE = PREFIX + "step"
+DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+LAUNCH_CATS = ("cuda_runtime", "cuda_driver")
+RANGE_CAT = "user_annotation"
+
+if set(STAGE_CATEGORY) != set(STAGES):  # a stage added to the model must get a category here
+    raise ImportError(f"prefill_stages maps stages {sorted(STAGE_CATEGORY)}, minidi.model.stages has {sorted(STAGES)}")
+
+
+class NoStageRangesError(ValueError):
+    """The trace holds no ``minidi/<stage>`` range: the markers were off when the model was compiled."""
+
+
+@dataclass(frozen=True)
+class _Range:
+    thread: tuple[Any, Any]  # (pid, tid)
+    start: float  # us
+    end: float  # us
+    category: str
+
+
+Trace = str | Path | dict | list
+
+
+def load_events(trace: Trace) -> list[dict]:
+    """The complete ("X") events of a trace: a path to the exported JSON, the parsed dict, or its event list."""
+    if isinstance(trace, (str, Path)):
+        try:
+            trace = json.loads(Path(trace).read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{trace}: not a JSON Chrome trace ({e})") from e
+    events = trace.get("traceEvents") if isinstance(trace, dict) else trace
+    if not isinstance(events, list):
+        raise ValueError("trace must be a Chrome trace (a dict with 'traceEvents', or the event list)")
+    return [e for e in events if isinstance(e, dict) and e.get("ph") == "X" and "dur" in e]
+
+
+def _check_steps(steps: int) -> None:
+    if not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps must be an int >= 1 (the number of profiled steps), got {steps!r}")
+
+
+def _stage_ranges(events: list[dict]) -> list[_Range]:
+    """Stage ranges sorted by (thread, start, longest first), so that a range comes after every range holding it."""
+    ranges = []
+    for e in events:
+        name = e.get("name", "")
+        if e.get("cat") == RANGE_CAT and name.startswith(PREFIX) and name[len(PREFIX):] in STAGE_CATEGORY:
+            start = float(e["ts"])
+            ranges.append(_Range((e.get("pid"), e.get("tid")), start, start + float(e["dur"]),
+                                 STAGE_CATEGORY[name[len(PREFIX):]]))
+    if not ranges:
+        raise NoStageRangesError(
+            f"the trace has no {PREFIX}<stage> ranges ({', '.join(PREFIX + s for s in STAGES)}): turn the stage "
+            "markers on with `minidi.model.stages.enabled(True)` before compiling (or tracing) the model")
+    return sorted(ranges, key=lambda r: (str(r.thread), r.start, -r.end))
+
+
+def _by_thread(ranges: list[_Range]) -> dict[tuple, list[_Range]]:
+    out: dict[tuple, list[_Range]] = {}
+    for r in ranges:
+        out.setdefault(r.thread, []).append(r)
+    return out
+
+
+def _innermost(ranges: list[_Range], times: list[float]) -> list[_Range | None]:
+    """For each time (sorted ascending) the innermost range of one thread holding it (latest start), or None."""
+    out, active, i = [], [], 0
+    for t in times:
+        while i < len(ranges) and ranges[i].start <= t:
+            active.append(ranges[i])
+            i += 1
+        active = [r for r in active if r.end >= t]  # still in start order: the last one is the innermost
+        out.append(active[-1] if active else None)
+    return out
+
+
+def _device_stage_us(events: list[dict], ranges: list[_Range]) -> dict[str, float]:
+    launches = {}  # correlation id -> (thread, launch start)
+    for e in events:
+        corr = (e.get("args") or {}).get("correlation")
+        if e.get("cat") in LAUNCH_CATS and corr is not None:
+            launches[corr] = ((e.get("pid"), e.get("tid")), float(e["ts"]))
+    per_thread: dict[tuple, list[tuple[float, float]]] = {}  # thread -> [(launch ts, device dur)]
+    out = dict.fromkeys(CATEGORIES, 0.0)
+    for e in events:
+        if e.get("cat") not in DEVICE_CATS:
+            continue
+        launch = launches.get((e.get("args") or {}).get("correlation"))
+        if launch is None:  # no launch seen (e.g. launched before the profile started): outside every range
+            out[OTHER] += float(e["dur"])
+        else:
+            per_thread.setdefault(launch[0], []).append((launch[1], float(e["dur"])))
+    threads = _by_thread(ranges)
+    for thread, items in per_thread.items():
+        items.sort()
+        owners = _innermost(threads.get(thread, []), [ts for ts, _ in items])
+        for (_, dur), owner in zip(items, owners):
+            out[owner.category if owner else OTHER] += dur
+    return out
+
+
+def _cpu_stage_us(events: list[dict], ranges: list[_Range]) -> dict[str, float]:
+    steps = [_Range((e.get("pid"), e.get("tid")), float(e["ts"]), float(e["ts"]) + float(e["dur"]), OTHER)
+             for e in events if e.get("cat") == RANGE_CAT and e.get("name") == STEP_RANGE]
+    if steps:
+        step_threads = _by_thread(sorted(steps, key=lambda r: (str(r.thread), r.start)))
+        ranges = [r for r in ranges if any(s.start <= r.start <= s.end for s in step_threads.get(r.thread, []))]
+    else:
+        warnings.warn(f"no {STEP_RANGE} range in the trace: hc_norm_other is reported as 0 (open "
+                      f"`torch.profiler.record_function({STEP_RANGE!r})` around each step to measure it)")
+    out = dict.fromkeys(CATEGORIES, 0.0)
+    for thread_ranges in _by_thread(ranges).values():
+        stack: list[_Range] = []
+        for r in thread_ranges:  # parents come before their children
+            while stack and stack[-1].end <= r.start:
+                stack.pop()
+            out[r.category] += r.end - r.start
+            if stack:  # the nested part belongs to the child only
+                out[stack[-1].category] -= min(r.end, stack[-1].end) - r.start
+            stack.append(r)
+    if steps:
+        out[OTHER] = sum(s.end - s.start for s in steps) - sum(out.values())
+    return out
+
+
+def has_device_events(trace: Trace) -> bool:
+    """Whether the trace holds GPU kernel / memcpy / memset events (a run profiled with ProfilerActivity.CUDA)."""
+    return any(e.get("cat") in DEVICE_CATS for e in load_events(trace))
+
+
+def stage_ms_per_step(trace: Trace, steps: int, cuda: bool) -> dict[str, float]:
+    """{category: ms per step} for all six categories (0.0 when absent), in the report's order.
+
+    ``trace``: the JSON from ``export_chrome_trace`` (path, dict or event list); ``steps``: profiled steps;
+    ``cuda``: attribute device events (True) or CPU wall time (False). Raises ``NoStageRangesError`` when the
+    markers were off, ValueError when ``cuda`` is set but the trace has no device events.
+    """
+    _check_steps(steps)
+    events = load_events(trace)
+    ranges = _stage_ranges(events)
+    if cuda:
+        if not any(e.get("cat") in DEVICE_CATS for e in events):
+            raise ValueError("cuda=True but the trace has no GPU kernel/memcpy/memset events: profile with "
+                             "activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], or pass cuda=False")
+        us = _device_stage_us(events, ranges)
+    else:
+        us = _cpu_stage_us(events, ranges)
+    return {k: us[k] / 1e3 / steps for k in CATEGORIES}
+
+
+def gpu_busy_ms_per_step(trace: Trace, steps: int) -> float:
+    """Summed duration of all device events per step (ms); 0.0 for a CPU-only trace."""
+    _check_steps(steps)
+    return sum(float(e["dur"]) for e in load_events(trace) if e.get("cat") in DEVICE_CATS) / 1e3 / steps
+
+
+def format_stage_table(stages: dict[str, float], gpu_busy_ms: float | None = None,
+                       wall_ms: float | None = None) -> str:
+    """A fixed-width table: category, ms/step, % of the sum; then the sum and, when given, GPU busy and wall time."""
+    total = sum(stages.values())
+    lines = [f"{'category':<24}{'ms/step':>12}{'% of sum':>10}"]
+    for name, ms in stages.items():
+        pct = 100.0 * ms / total if total > 0 else 0.0
+        lines.append(f"{name:<24}{ms:>12.3f}{pct:>10.1f}")
+    lines.append(f"{'sum':<24}{total:>12.3f}{100.0 if total > 0 else 0.0:>10.1f}")
+    if gpu_busy_ms is not None:
+        lines.append(f"{'gpu busy (all events)':<24}{gpu_busy_ms:>12.3f}")
+    if wall_ms is not None:
+        lines.append(f"{'wall time':<24}{wall_ms:>12.3f}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("trace", help="Chrome trace JSON from torch.profiler's export_chrome_trace")
+    ap.add_argument("--steps", type=int, required=True, help="number of steps the profile covers")
+    ap.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
+                    help="attribute device events (cuda) or CPU time (cpu); auto: cuda if the trace has kernels")
+    args = ap.parse_args(argv)
+    try:
+        events = load_events(args.trace)
+        cuda = has_device_events(events) if args.device == "auto" else args.device == "cuda"
+        table = stage_ms_per_step(events, args.steps, cuda)
+    except (OSError, ValueError) as e:  # NoStageRangesError is a ValueError
+        print(f"error: {args.trace}: {e}", file=sys.stderr)
+        return 2
+    print(format_stage_table(table, gpu_busy_ms_per_step(events, args.steps) if cuda else None))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,129 @@
+"""The prefill benchmark's workload: the model as the reference run holds it, and one step on a cached prefix.
+
+- Model: a checkpoint folder (real layout) or a preset. Full-size presets get random weights in the checkpoint
+  formats; ``share_experts`` gives every layer the same routed-expert tensors (FLOPs and bytes moved per layer are
+  unchanged; 7.2 GB of V4.1 experts per layer do not fit the 60 MB L2 either way, so nothing is served from cache that
+  would not be), ``engram_table_rows`` holds a smaller random Engram table (ids taken modulo its rows; each token
+  still gathers 24 rows of 256 B), and ``emulate_ep`` N builds one rank of EP N (``minidi.model.expert_parallel``).
+- Cache: one sequence whose first ``cached`` positions are in the cache, filled with random rows (window ring,
+  compressed KV, indexer keys, pending compressor rows) instead of a real prefill of the prefix; then ``new`` new
+  tokens in one step. Every timed step re-runs that same step: its cache writes land in rows after the prefix (and
+  in the window ring / pending rows, which it overwrites with the same kind of values), so each step does identical
+  work on an identical cache shape.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+import minidi
+from minidi.model.context import StepMeta
+from minidi.model.expert_parallel import EmulatedEP
+from minidi.model.model import Transformer
+from minidi.model.presets import PRESETS
+from minidi.runtime.batch import StepItem, build_step
+from minidi.runtime.cache import CacheManager, SeqCache
+
+FULL_SIZE = ("v41-flash", "v4-flash")
+SYNTHETIC_ENGRAM_ROWS = 1 << 24  # default table of the random full-size presets: 16.8M rows (4.3 GB) instead of 384M
+
+
+@dataclass
+class Workload:
+    model: Transformer
+    cache: CacheManager
+    meta: StepMeta
+    new_tokens: int
+    cached_tokens: int
+    seqs: int
+    notes: list[str]  # what differs from a real deployment, printed on the card
+
+
+def is_synthetic(model: str) -> bool:
+    return model in PRESETS and not model.startswith("tiny")
+
+
+def build_model(name: str, device: str, dtype: str, emulate_ep: int, share_experts: str, engram_rows: int | None,
+                seed: int, notes: list[str], world: int = 1, rank: int = 0) -> Transformer:
+    """``world`` > 1: this process is rank ``rank`` of a torchrun job (process group initialised): it holds
+    1/world of the experts and exchanges tokens with the other ranks (``DistributedEP``)."""
+    overrides: dict = {"dtype": dtype}
+    if emulate_ep > 1 and world > 1:
+        raise SystemExit(f"--emulate-ep {emulate_ep} cannot be combined with {world} real ranks (WORLD_SIZE)")
+    if emulate_ep > 1:
+        overrides.update(ep_size=emulate_ep, ep_rank=0)
+    if world > 1:
+        from minidi.runtime.distributed import check_experts_divisible
+
+        check_experts_divisible(minidi.preset(name).n_routed_experts if name in PRESETS else
+                                minidi.ModelConfig.from_hf_config(name).n_routed_experts, world)
+        overrides.update(ep_size=world, ep_rank=rank)
+    synthetic = is_synthetic(name)
+    if engram_rows is None:  # the random full-size V4.1 tables would be 98 GB each
+        engram_rows = SYNTHETIC_ENGRAM_ROWS if synthetic and minidi.preset(name).engram_layers else 0
+    if engram_rows:
+        overrides["engram_table_rows"] = engram_rows
+    share = synthetic if share_experts == "auto" else share_experts == "on"
+    if share and not synthetic:
+        raise SystemExit(f"--share_experts on needs a random-weight preset ({', '.join(FULL_SIZE)}), not {name!r}")
+    model = minidi.load_model(name, device=device, seed=seed, share_experts=share, **overrides)
+    cfg = model.cfg
+    if share:
+        notes.append(f"weights: one routed-expert set ({cfg.n_local_experts} experts) shared by all {cfg.n_layers} "
+                     f"layers; FLOPs and bytes moved per layer unchanged (the experts never fit L2 either way)")
+    if cfg.engram_layers and cfg.engram_table_rows:
+        notes.append(f"Engram: random tables of {cfg.engram_rows(cfg.engram_layers[0]):,} rows (real: "
+                     f"{max(cfg.engram_num_embeddings):,}); hash ids taken modulo; the same 24 rows/token gathered")
+    if emulate_ep > 1:
+        exchange = EmulatedEP(emulate_ep)
+        model.set_expert_exchange(exchange)
+        notes.append(exchange.describe())
+    if world > 1:
+        from minidi.runtime.distributed import install_expert_parallel
+
+        # every rank runs the same workload shape: equal token counts, no count exchange, traceable by compile
+        exchange = install_expert_parallel(model, uniform=True)
+        notes.append(exchange.describe())
+    return model
+
+
+def fill_random(cm: CacheManager, seed: int) -> None:
+    """Every cache row random (unit-RMS normal rows, like the normalised KV / key rows the model writes; pending
+    K|G rows: random keys and gates), generated on the cache's device."""
+    gen = torch.Generator(device=cm.device).manual_seed(seed)
+    t = cm.tensors
+    for pool in [*t.window.values(), *t.comp.values(), *t.index_k.values(), *t.pending.values()]:
+        for chunk in pool.split(1 << 16):
+            chunk.copy_(torch.randn(chunk.shape, generator=gen, device=cm.device, dtype=torch.float32))
+
+
+def random_prefix(cm: CacheManager, cached: int) -> SeqCache:
+    """A sequence that holds ``cached`` positions (their rows are whatever ``fill_random`` put there)."""
+    seq = SeqCache()
+    cm.grow(seq, cached)
+    seq.length = cached
+    return seq
+
+
+def build_workload(model: Transformer, new: int, cached: int, seqs: int, seed: int, notes: list[str]) -> Workload:
+    cfg = model.cfg
+    total = cached + new
+    if total > cfg.max_position_embeddings:
+        raise SystemExit(f"cached {cached} + new {new} tokens exceed max_position_embeddings "
+                         f"{cfg.max_position_embeddings} of {cfg.name}")
+    device = model.embed.weight.device
+    cm = CacheManager(cfg, max_slots=seqs, max_tokens=seqs * total, device=device)
+    fill_random(cm, seed)
+    gen = torch.Generator().manual_seed(seed)
+    items = []
+    for _ in range(seqs):
+        seq = random_prefix(cm, cached) if cached else SeqCache()
+        cm.grow(seq, total)
+        tokens = torch.randint(0, cfg.vocab_size, (new + 3,), generator=gen).tolist()
+        items.append(StepItem(seq, tokens[3:], tokens[:3] if cached else []))
+    if cached:
+        notes.append(f"cache: {cached:,} cached positions per sequence filled with random rows (no prefill of the "
+                     f"prefix); each timed step re-runs the same {new:,}-token step on it")
+    return Workload(model, cm, build_step(cm, items), new, cached, seqs, notes)
