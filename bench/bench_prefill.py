@@ -185,7 +185,8 @@ def run_mode(mode: str, wl, args, card: dict, out_dir: Path) -> dict:
     flops = step_flops(cfg, wl.new_tokens, wl.cached_tokens, wl.seqs)["total"]
     res = {
         "model": cfg.name, "arch": cfg.arch, "mode": mode, "passes": args.passes if mode == "passes" else "none",
-        "ep": cfg.ep_size, "ep_emulated": cfg.ep_size > 1, "compile_scope": args.compile_scope if mode != "eager"
+        "ep": cfg.ep_size, "ep_emulated": cfg.ep_size > 1 and int(os.environ.get("WORLD_SIZE", "1")) == 1,
+        "compile_scope": args.compile_scope if mode != "eager"
         else None, "new_tokens": wl.new_tokens, "cached_tokens": wl.cached_tokens, "seqs": wl.seqs,
         "steps": args.steps, "warmup": args.warmup, "ms_per_step": round(ms, 3),
         "ms_per_step_median": round(statistics.median(times), 3), "ms_per_step_min": round(min(times), 3),
@@ -239,8 +240,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
     out_dir = Path(args.out_dir or (Path(args.result_jsonl).parent if args.result_jsonl else "bench_out"))
     out_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(args.seed)
+    markers_were = stages.enabled()
     stages.enabled(not args.no_stage_markers)
+    try:
+        return _run(args, world, rank, modes, out_dir)
+    finally:
+        stages.enabled(markers_were)
 
+
+def _run(args: argparse.Namespace, world: int, rank: int, modes: list[str], out_dir: Path) -> list[dict]:
     notes: list[str] = []
     t0 = time.perf_counter()
     model = build_model(args.model, args.device, args.dtype, args.emulate_ep, args.share_experts,
@@ -279,6 +287,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         if args.result_jsonl:
             with open(args.result_jsonl, "a") as f:
                 f.write(line + "\n")
+    if world > 1:
+        torch.distributed.destroy_process_group()
     return results
 
 

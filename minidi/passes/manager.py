@@ -215,8 +215,18 @@ def make_backend(manager: PassManager, inner: str | Callable = "inductor") -> Ca
     inner_fn = lookup_backend(inner) if isinstance(inner, str) else inner
 
     def minidi_backend(gm: GraphModule, example_inputs: list) -> Callable:
+        n, layer = len(manager.history), manager.current_layer
+        before = manager.layer_counts.get(layer)
         manager.run(gm)
-        return inner_fn(gm, example_inputs)
+        try:
+            return inner_fn(gm, example_inputs)
+        except BaseException:  # e.g. a restart of the trace: this graph is discarded, so forget its counts
+            del manager.history[n:]
+            if layer is not None:
+                manager.layer_counts.pop(layer, None)
+                if before is not None:
+                    manager.layer_counts[layer] = before
+            raise
 
     minidi_backend.pass_manager = manager  # type: ignore[attr-defined]
     return minidi_backend

@@ -234,7 +234,16 @@ def dynamic_shape_config():
     """Shapes of one step vary in many dims (tokens, entries, view rows, pending rows...). Two symbolic-shape
     settings keep one compiled graph for all of them: no duck sizing (two dims that happen to be equal in the first
     batch must not be assumed equal) and size-oblivious reasoning for sizes 0 and 1 (which Dynamo would otherwise
-    specialise, recompiling for every batch that has, say, one sequence or no pending rows)."""
+    specialise, recompiling for every batch that has, say, one sequence or no pending rows). And Python floats stay
+    constants (``specialize_float``): with ``dynamic=True`` Dynamo would otherwise trace the model's float constants
+    (norm eps, the e2m1 grid) as symbolic inputs, then specialise them after the backend ran and trace the whole graph
+    a second time (on the H200 this compiled every layer kind twice)."""
+    import contextlib
+
+    import torch._dynamo.config as dynamo_config
     import torch.fx.experimental._config as fx_config
 
-    return fx_config.patch(backed_size_oblivious=True, use_duck_shape=False)
+    stack = contextlib.ExitStack()
+    stack.enter_context(fx_config.patch(backed_size_oblivious=True, use_duck_shape=False))
+    stack.enter_context(dynamo_config.patch(specialize_float=True))
+    return stack

@@ -1,0 +1,137 @@
+"""The prefill benchmark end to end on the CPU (``bench/bench_prefill.py``): the result line's fields, the trace,
+the emulated expert parallelism, the cached-prefix workload, and one stock-compile run (aot_eager, per layer).
+Only what the benchmark reports is checked, never how fast it was."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import pytest
+import torch
+import torch._dynamo
+
+from bench.bench_prefill import main
+from bench.prefill_workload import build_model, build_workload
+from minidi.model import stages
+from minidi.runtime.flops import CATEGORIES
+
+FIELDS = ("model", "mode", "passes", "ep", "new_tokens", "cached_tokens", "steps", "ms_per_step",
+          "input_tok_per_s_per_gpu", "mfu", "stages_ms", "pass_matches")
+
+
+@pytest.fixture(autouse=True)
+def markers_off_after():
+    """``main`` turns the stage markers on for the whole process: put them back."""
+    prev = stages.enabled()
+    try:
+        yield
+    finally:
+        stages.enabled(prev)
+
+
+def run(tmp_path, *extra: str) -> tuple[list[dict], list[dict]]:
+    jsonl = tmp_path / "r.jsonl"
+    argv = ["--model", "tiny-v41", "--device", "cpu", "--steps", "1", "--warmup", "1", "--profile_steps", "1",
+            "--cached_tokens", "64", "--prefill_batch_size", "16", "--out_dir", str(tmp_path),
+            "--result_jsonl", str(jsonl), *extra]
+    results = main(argv)
+    lines = [json.loads(line) for line in jsonl.read_text().splitlines()]
+    return results, lines
+
+
+@pytest.fixture(scope="module")
+def eager(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("eager")
+    prev = stages.enabled()
+    try:
+        results, lines = run(tmp)
+    finally:
+        stages.enabled(prev)
+    return tmp, results, lines
+
+
+def test_result_line_fields(eager):
+    _, results, lines = eager
+    assert len(lines) == len(results) == 1
+    res = lines[0]
+    assert set(FIELDS) <= set(res)
+    assert (res["model"], res["mode"], res["passes"], res["ep"]) == ("tiny-v41", "eager", "none", 1)
+    assert (res["new_tokens"], res["cached_tokens"], res["steps"]) == (16, 64, 1)
+    assert res["ms_per_step"] > 0 and res["input_tok_per_s_per_gpu"] > 0 and res["mfu"] >= 0
+    assert res["pass_matches"] is None  # eager: no passes
+    assert res["logits_finite"] is True
+    assert {k: v for k, v in results[0].items() if k != "speedup_vs"} == {
+        k: v for k, v in res.items() if k != "speedup_vs"}
+
+
+def test_stage_table(eager):
+    stages_ms = eager[2][0]["stages_ms"]
+    assert list(stages_ms) == list(CATEGORIES) and len(CATEGORIES) == 6
+    assert all(v >= 0 for v in stages_ms.values())
+    assert stages_ms["moe"] > 0 and stages_ms["sparse_attention_core"] > 0
+    assert stages_ms["communication"] == 0  # one device, no exchange
+
+
+def test_trace_written(eager):
+    tmp, _, lines = eager
+    trace = tmp / lines[0]["trace"]
+    assert trace.name == "tiny-v41_eager_ep1.trace.json.gz" and trace.is_file()
+    with gzip.open(trace, "rt") as f:
+        names = {e.get("name") for e in json.load(f)["traceEvents"]}
+    assert {"minidi/step", "minidi/attn", "minidi/attn.core", "minidi/indexer", "minidi/moe"} <= names
+    assert not (tmp / "tiny-v41_eager_ep1.trace.json").exists()  # only the compressed copy is kept
+
+
+def test_emulated_ep(tmp_path):
+    _, lines = run(tmp_path, "--emulate-ep", "2")
+    res = lines[0]
+    assert res["ep"] == 2 and res["ep_emulated"] is True
+    assert res["stages_ms"]["communication"] > 0 and res["stages_ms"]["moe"] > 0
+    assert (tmp_path / "tiny-v41_eager_ep2.trace.json.gz").is_file()
+
+
+@pytest.mark.parametrize("modes", ["eager,turbo", "Eager"])
+def test_bad_mode_is_a_clear_error(tmp_path, modes):
+    with pytest.raises(SystemExit, match=r"unknown mode.*choose from \('eager', 'compile', 'passes'\)"):
+        run(tmp_path, "--modes", modes)
+    assert not (tmp_path / "r.jsonl").exists()
+
+
+def test_workload_continues_the_cached_prefix():
+    notes: list[str] = []
+    model = build_model("tiny-v41", "cpu", "float32", 1, "auto", None, 0, notes)
+    wl = build_workload(model, 16, 64, 1, 0, notes)
+    assert (wl.new_tokens, wl.cached_tokens, wl.seqs) == (16, 64, 1)
+    assert torch.equal(wl.meta.positions, torch.arange(64, 80))
+    assert wl.meta.input_ids.shape == (16,)
+    assert any("cached positions" in n for n in notes)
+    with torch.no_grad():
+        logits = model.step(wl.meta, wl.cache.tensors)
+    assert torch.isfinite(logits).all()
+
+
+def test_workload_two_sequences():
+    notes: list[str] = []
+    model = build_model("tiny-v41", "cpu", "float32", 1, "auto", None, 0, notes)
+    wl = build_workload(model, 8, 32, 2, 0, notes)
+    assert torch.equal(wl.meta.positions, torch.cat([torch.arange(32, 40)] * 2))
+
+
+def test_workload_too_long_for_the_model():
+    model = build_model("tiny-v41", "cpu", "float32", 1, "auto", None, 0, [])
+    with pytest.raises(SystemExit, match="max_position_embeddings"):
+        build_workload(model, 64, model.cfg.max_position_embeddings, 1, 0, [])
+
+
+def test_stock_compile_mode(tmp_path):
+    """--modes compile: stock torch.compile (per layer, aot_eager here), no passes, hence no match counts."""
+    # specialize_float: no symbolic float scalars, so aot_autograd's tensorify pass does not make Dynamo re-trace
+    # layers (halves the compile time here); fp32: fewer graph nodes than bf16 with its fp32 islands
+    with torch._dynamo.config.patch(specialize_float=True):
+        _, lines = run(tmp_path, "--modes", "compile", "--backend", "aot_eager", "--dtype", "float32")
+    res = lines[0]
+    assert (res["mode"], res["passes"], res["compile_scope"]) == ("compile", "none", "layer")
+    assert res["pass_matches"] is None
+    assert res["logits_finite"] is True
+    assert res["stages_ms"]["moe"] > 0
