@@ -83,11 +83,11 @@ def init_from_env(expected_world: int | None = None, device: str | None = None) 
 
 
 def install_expert_parallel(model, group: dist.ProcessGroup | None = None, **kwargs) -> "DistributedEP":
-    """Check that ``model`` was built as this rank of this group's EP (ep_size = world, ep_rank = rank, experts
-    divisible), install a ``DistributedEP`` on it and return the exchange. ``kwargs`` go to ``DistributedEP``."""
+    """Check that ``model`` was built as this rank of this group's EP (ep_size = world, ep_rank = rank; its config
+    already refused an ep_size that does not divide the experts), install a ``DistributedEP`` on it and return the
+    exchange. ``kwargs`` go to ``DistributedEP``."""
     cfg = model.cfg
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    check_experts_divisible(cfg.n_routed_experts, world)
     if cfg.ep_size != world or cfg.ep_rank != rank:
         raise ValueError(f"model built as EP rank {cfg.ep_rank} of {cfg.ep_size}, but this process is rank {rank} of "
                          f"a world of {world}: load it with ep_size={world}, ep_rank={rank}")
