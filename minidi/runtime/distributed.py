@@ -128,7 +128,7 @@ class DistributedEP:
     def gather_counts(self, t: int, device: torch.device | str) -> list[int]:
         """Every rank's token count (one small all-gather and one host sync)."""
         mine = torch.tensor([t], dtype=torch.int64, device=device)
-        counts = _all_gather(mine, 0, self.group).tolist()
+        counts = fc.wait_tensor(_all_gather(mine, 0, self.group)).tolist()
         self._add("count_bytes", (self.size - 1) * 8)
         return counts
 
@@ -180,8 +180,10 @@ class DistributedEP:
         if counts is not None and tm != t:  # pad to the largest rank's count: the gather needs equal pieces
             x = torch.cat([x, x.new_zeros(tm - t, x.shape[1])])
             route = torch.cat([route, route.new_zeros(tm - t, 2 * k)])
-        xs = _all_gather(x.contiguous(), 0, self.group)  # [N*Tm, D]
-        routes = _all_gather(route, 0, self.group)  # [N*Tm, 2k]
+        # wait before returning: functional collectives finish lazily, and the inputs (padded temporaries) must
+        # outlive the backend's reads (gloo runs them on its own thread; a freed input corrupted the heap once)
+        xs = fc.wait_tensor(_all_gather(x.contiguous(), 0, self.group))  # [N*Tm, D]
+        routes = fc.wait_tensor(_all_gather(route, 0, self.group))  # [N*Tm, 2k]
         if counts is not None and any(c != tm for c in counts):  # drop the padding rows: the experts never see them
             keep = self._keep_rows(counts, x.device)
             xs, routes = xs[keep], routes[keep]
@@ -210,7 +212,7 @@ class DistributedEP:
         if counts is not None and any(c != tm for c in counts):  # back into the padded layout (padding rows: 0)
             keep = self._keep_rows(counts, p.device)
             p = p.new_zeros(n * tm, p.shape[1]).index_copy_(0, keep, p)
-        y = _reduce_scatter(p.contiguous(), "sum", 0, self.group)  # [Tm, D]
+        y = fc.wait_tensor(_reduce_scatter(p.contiguous(), "sum", 0, self.group))  # [Tm, D] (waited: see dispatch)
         self._add("combine_bytes", (n - 1) * tm * p.shape[1] * p.element_size())
         if t != tm:
             y = y[:t]
