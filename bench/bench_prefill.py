@@ -203,6 +203,31 @@ def run_mode(mode: str, wl, args, card: dict, out_dir: Path) -> dict:
     return res
 
 
+def failed_mode(mode: str, wl, args, card: dict, error: BaseException) -> dict:
+    """The JSON line of a mode that could not run (out of memory): what was asked, the error, the memory peak."""
+    cfg = wl.model.cfg
+    peak = None
+    if args.device.startswith("cuda"):
+        peak = round(torch.cuda.max_memory_allocated() / 2**30, 1)
+        torch.cuda.empty_cache()
+    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return {
+        "model": cfg.name, "arch": cfg.arch, "mode": mode, "passes": args.passes if mode == "passes" else "none",
+        "ep": cfg.ep_size, "new_tokens": wl.new_tokens, "cached_tokens": wl.cached_tokens, "seqs": wl.seqs,
+        "steps": args.steps, "ms_per_step": None, "input_tok_per_s_per_gpu": None, "mfu": None, "stages_ms": {},
+        "pass_matches": None, "error": f"{type(error).__name__}: {first}", "max_memory_allocated_gib": peak,
+        **{k: card[k] for k in ("device", "dtype", "torch", "peaks", "shared_experts", "engram_table_rows")},
+    }
+
+
+def _write_line(res: dict, args) -> None:
+    line = json.dumps(res)  # written as soon as the mode is done: a later mode may run out of time
+    print(line, flush=True)
+    if args.result_jsonl:
+        with open(args.result_jsonl, "a") as f:
+            f.write(line + "\n")
+
+
 def _plot(table: dict, title: str, path: Path) -> str | None:
     try:
         from plot_stages import plot_stage_table
@@ -273,7 +298,14 @@ def _run(args: argparse.Namespace, world: int, rank: int, modes: list[str], out_
 
     results = []
     for mode in modes:
-        res = run_mode(mode, wl, args, card, out_dir)
+        try:
+            res = run_mode(mode, wl, args, card, out_dir)
+        except torch.OutOfMemoryError as e:  # recorded, and the next mode still runs
+            res = failed_mode(mode, wl, args, card, e)
+        if res.get("error"):
+            print(f"\n[{mode}] FAILED: {res['error']}")
+            _write_line(res, args)
+            continue
         results.append(res)
         print(f"\n[{mode}] {res['ms_per_step']:.2f} ms/step (median {res['ms_per_step_median']:.2f}) | "
               f"{res['input_tok_per_s_per_gpu']:,.0f} input tok/s/GPU | MFU {100 * res['mfu']:.1f}% of the measured "
@@ -282,11 +314,7 @@ def _run(args: argparse.Namespace, world: int, rank: int, modes: list[str], out_
         if res["stages_ms"]:
             print(format_stage_table(res["stages_ms"], gpu_busy_ms=res["gpu_busy_ms"], wall_ms=res["ms_per_step"]))
         res["speedup_vs"] = {r["mode"]: round(r["ms_per_step"] / res["ms_per_step"], 3) for r in results[:-1]}
-        line = json.dumps(res)  # written as soon as the mode is done: a later mode may run out of time
-        print(line, flush=True)
-        if args.result_jsonl:
-            with open(args.result_jsonl, "a") as f:
-                f.write(line + "\n")
+        _write_line(res, args)
     if world > 1:
         torch.distributed.destroy_process_group()
     return results

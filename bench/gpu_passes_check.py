@@ -47,7 +47,7 @@ def check(name: str, regional: bool, lengths: tuple[int, ...]) -> dict:
     out["graphs"] = len(step.pass_manager.history)
     out["recompiled_for_second_length"] = out["graphs"] != graphs
     out["counts"] = step.counts if regional else dict(step.pass_manager.counts)
-    out["expected"] = {k: len(v) for k, v in expected_sites(model.cfg).items()}
+    out["expected"] = {k: len(v) for k, v in expected_sites(model.cfg, regional=regional).items()}
     out["counts_match"] = out["counts"] == out["expected"]
     out["lengths"] = list(lengths)
     return out

@@ -14,14 +14,18 @@ from .compressor import CompressorV4, CompressorV41
 from .config import ModelConfig
 from .context import LayerCache, RatioMeta, SharedSlots, StepMeta
 from .indexer import IndexerV4, IndexerV41, candidate_mask, indexer_topk_naive
-from .layers import FP8Linear, RMSNorm, apply_rope, rms_norm, rope_cos_sin, rope_inv_freq, weight_param
+from .layers import FP8Linear, RMSNorm, RopeTable, apply_rope, rms_norm, rope_cos_sin_lookup, weight_param
 from .quant import fq4_e4m3, fq8
 from . import stages
 from .sparse_attention import sparse_attention_naive
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
+    """``rope``: the cos/sin table of this layer's inv_freq variant (compressed layers: YaRN base), shared with the
+    other layers of that variant (the Transformer hands the same ``RopeTable`` to each); a layer built alone builds
+    its own."""
+
+    def __init__(self, cfg: ModelConfig, layer_id: int, rope: RopeTable | None = None) -> None:
         super().__init__()
         self.cfg, self.layer_id = cfg, layer_id
         self.ratio = cfg.ratio(layer_id)
@@ -47,10 +51,9 @@ class Attention(nn.Module):
             self.indexer = IndexerV41(cfg, owns_keys=cfg.owns_index_keys(layer_id))
         elif not cfg.is_v41 and cfg.is_index_source(layer_id):
             self.indexer = IndexerV4(cfg)
-        self.register_buffer("inv_freq", rope_inv_freq(cfg, self.ratio > 0), persistent=False)
-
-    def reset_buffers(self) -> None:
-        self.inv_freq = rope_inv_freq(self.cfg, self.ratio > 0).to(self.attn_sink.device)
+        self.rope = rope if rope is not None else RopeTable(cfg, compressed=self.ratio > 0)
+        if self.rope.compressed != (self.ratio > 0):
+            raise ValueError(f"layer {layer_id} (ratio {self.ratio}) given the RoPE table of the other variant")
 
     def _quant_kv(self, kv: torch.Tensor) -> torch.Tensor:
         """Window / compressed KV fake-quant: V4.1 fq8 over all channels (blocks 32); V4 fq8 of the non-rope
@@ -66,7 +69,7 @@ class Attention(nn.Module):
         """x [T, D] (attn-normed) -> [T, D]. Reads and updates this layer's cache rows."""
         cfg = self.cfg
         t = x.shape[0]
-        cos, sin = rope_cos_sin(meta.positions, self.inv_freq)
+        cos, sin = rope_cos_sin_lookup(meta.positions, self.rope.cos_sin)  # [T, r/2] each
         q_lat = self.q_norm(self.wq_a(x))  # [T, q_lora]; also the indexer's query latent
         q = self.wq_b(q_lat).view(t, cfg.n_heads, cfg.head_dim)  # [T, H, d]
         if not cfg.is_v41:
@@ -92,7 +95,8 @@ class Attention(nn.Module):
     def _new_entries(self, x: torch.Tensor, rm: RatioMeta, cache: LayerCache):
         """Run this layer's compressor on the step: -> (latent [Nn, dc], rotated + fake-quantised rows, cos, sin)."""
         latent = self.compressor(x, rm, cache.pending)
-        ccos, csin = rope_cos_sin(rm.entry_pos, self.inv_freq)
+        # entry_pos = group * m of complete groups only, so in [0, P): padding exists in view_idx, never here
+        ccos, csin = rope_cos_sin_lookup(rm.entry_pos, self.rope.cos_sin)  # [Nn, r/2] each
         rows = apply_rope(latent, ccos, csin)
         if self.cfg.fake_quant:
             rows = fq4_e4m3(rows, 16) if self.cfg.is_v41 else self._quant_kv(rows)
@@ -125,11 +129,11 @@ class Attention(nn.Module):
     def _compressed_v4(self, x, q_lat, cos, sin, meta: StepMeta, cache: LayerCache, shared: SharedSlots):
         cfg = self.cfg
         rm = meta.ratios[self.ratio]
-        _, rows, _, _ = self._new_entries(x, rm, cache)
+        _, rows, ccos, csin = self._new_entries(x, rm, cache)
         view = compressed_view(cache.comp, rows, rm)
         if self.v4_indexer:
             stages.enter("indexer", q_lat)
-            keys = self.indexer.keys(x, rm, cache.pending_index, self.inv_freq)
+            keys = self.indexer.keys(x, rm, cache.pending_index, ccos, csin)  # same entries: ratio 4, same rm
             keys = compressed_view(cache.index_k, keys, rm)
             qi, wi = self.indexer.queries(x, q_lat, cos, sin)
             idx, _ = indexer_topk_naive(qi, keys, wi, rm.k_start, rm.k_end, cfg.index_topk)

@@ -1,7 +1,8 @@
 """Small building blocks: RMSNorm, RoPE (with YaRN), FP8 linear, plain linear.
 
 Rounding points follow the official reference (spec V4.1 §11): RMSNorm keeps its weight in fp32 and rounds once;
-RoPE angles and cos/sin are fp32, rotated channels are rounded to the activation dtype.
+RoPE angles and cos/sin are fp32, rotated channels are rounded to the activation dtype. The layers look cos/sin up
+in a table precomputed for every position (``RopeTable``, one per inv_freq variant, as the official ``freqs_cis``).
 Legend: T tokens, H heads, D width, r rope dims.
 """
 
@@ -134,9 +135,56 @@ def rope_inv_freq(cfg: ModelConfig, compressed: bool) -> torch.Tensor:
 
 
 def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """positions [T] (int) -> cos, sin fp32 [T, r/2]; angle = t * ω in fp32."""
+    """positions [T] (int) -> cos, sin fp32 [T, r/2]; angle = t * ω in fp32. The formula of ``rope_table``."""
     ang = positions.to(torch.float32)[:, None] * inv_freq.to(positions.device)[None, :]
     return torch.cos(ang), torch.sin(ang)
+
+
+def rope_table(inv_freq: torch.Tensor, max_positions: int) -> torch.Tensor:
+    """cos/sin of every position 0..P-1 -> fp32 [P, r/2, 2] (cos, sin), computed on inv_freq's device by
+    ``rope_cos_sin``, so a row equals ``rope_cos_sin`` of its position on that device bitwise."""
+    cos, sin = rope_cos_sin(torch.arange(max_positions, device=inv_freq.device), inv_freq)
+    return torch.stack([cos, sin], dim=-1)
+
+
+def rope_cos_sin_lookup(positions: torch.Tensor, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions [T] (int, in [0, P)) -> cos, sin fp32 [T, r/2]: rows of a ``rope_table`` [P, r/2, 2].
+
+    Compiled kernels then only load cos/sin (a gather fused into the consumer) instead of evaluating them per
+    element of the rotated tensor. Positions are checked eagerly on the CPU only: on a device the check would be a
+    host sync per call, and under compile an out-of-range index is a device assert; the entry points reject lengths
+    past max_position_embeddings before the step (``Transformer.forward``, ``Engine._check``)."""
+    if positions.device.type == "cpu" and positions.numel() and not torch.compiler.is_compiling():
+        lo, hi = int(positions.min()), int(positions.max())
+        if lo < 0 or hi >= table.shape[0]:
+            raise IndexError(f"RoPE position {lo if lo < 0 else hi} outside the table [0, {table.shape[0]}) "
+                             f"(max_position_embeddings)")
+    cs = table[positions]  # [T, r/2, 2]
+    return cs[..., 0], cs[..., 1]
+
+
+class RopeTable(nn.Module):
+    """One inv_freq variant's table (``rope_table`` of ``rope_inv_freq(cfg, compressed)`` over
+    max_position_embeddings positions), a non-persistent buffer ``cos_sin`` [P, r/2, 2] fp32 (256 MB at 1M positions).
+
+    The Transformer builds one per variant and hands the same module to every Attention of that variant: the buffer
+    has one slot, so ``model.to(device)`` moves it once and the layers keep sharing it (a tensor registered as a
+    buffer of each layer would be copied once per layer by ``to``)."""
+
+    def __init__(self, cfg: ModelConfig, compressed: bool) -> None:
+        super().__init__()
+        self.cfg, self.compressed = cfg, compressed
+        self.register_buffer("cos_sin", self._build(), persistent=False)
+
+    def _build(self, device: torch.device | str | None = None) -> torch.Tensor:
+        inv_freq = rope_inv_freq(self.cfg, self.compressed)  # on the default device (meta while building on meta)
+        if device is not None:
+            inv_freq = inv_freq.to(device)
+        return rope_table(inv_freq, self.cfg.max_position_embeddings)
+
+    def reset_buffers(self, device: torch.device | str | None = None) -> None:
+        """Recompute the table on ``device`` (default: where it is now), with that device's cos/sin."""
+        self.cos_sin = self._build(self.cos_sin.device if device is None else device)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:

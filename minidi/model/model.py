@@ -17,12 +17,12 @@ from .context import LayerCache, ModelCache, SharedSlots, StepMeta
 from .engram import Engram
 from .engram_hash import EngramTables, engram_hash_ids_packed, engram_tables, test_token_map
 from .hyper_connections import hc_collapse, hc_expand, hc_head, hc_mixer
-from .layers import RMSNorm, weight_param
+from .layers import RMSNorm, RopeTable, weight_param
 from .moe import MoE
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer_id: int, rope: RopeTable | None = None) -> None:
         super().__init__()
         self.cfg, self.layer_id = cfg, layer_id
         mix = (2 + cfg.hc_mult) * cfg.hc_mult
@@ -32,7 +32,7 @@ class Block(nn.Module):
             setattr(self, f"hc_{site}_scale", weight_param(3, dtype=torch.float32))
         self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.attn = Attention(cfg, layer_id)
+        self.attn = Attention(cfg, layer_id, rope)
         self.ffn = MoE(cfg, layer_id)
         self.has_engram = layer_id in cfg.engram_layers
         if self.has_engram:
@@ -75,6 +75,10 @@ class Block(nn.Module):
         return hc_expand(x, self._ffn(self.ffn_norm(hc_collapse(x, pre_f)), meta.input_ids), post, comb), None
 
 
+def _rope_key(compressed: bool) -> str:
+    return "compressed" if compressed else "window"
+
+
 class Transformer(nn.Module):
     """``model(input_ids [S])`` -> fp32 logits [S, V] for one sequence starting at position 0."""
 
@@ -83,7 +87,12 @@ class Transformer(nn.Module):
         self.cfg = cfg
         self.embed = nn.Module()
         self.embed.weight = weight_param(cfg.vocab_size, cfg.dim, dtype=torch.bfloat16)
-        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
+        # RoPE cos/sin tables, one per inv_freq variant in use, each shared by all layers of its variant (not per
+        # layer: 256 MB each at 1M positions); non-persistent, so not in the checkpoint
+        self.rope = nn.ModuleDict({_rope_key(c): RopeTable(cfg, c)
+                                   for c in sorted({cfg.ratio(i) > 0 for i in range(cfg.n_layers)})})
+        self.layers = nn.ModuleList(Block(cfg, i, self.rope[_rope_key(cfg.ratio(i) > 0)])
+                                    for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.head = nn.Module()
         self.head.weight = weight_param(cfg.vocab_size, cfg.dim, dtype=torch.bfloat16)
@@ -117,12 +126,15 @@ class Transformer(nn.Module):
         self.engram_token_map = token_map.to(self.embed.weight.device)
 
     def reset_buffers(self) -> None:
-        """Recompute non-checkpoint buffers (after building on the meta device and loading with assign=True)."""
+        """Recompute non-checkpoint buffers (after building on the meta device and loading with assign=True).
+        The RoPE tables are built on the weights' device (cos/sin as that device computes them), once each."""
         device = self.embed.weight.device
         if self.cfg.engram_layers:
             self._register_engram_buffers()
-        for module in self.modules():
-            if module is not self and hasattr(module, "reset_buffers"):
+        for module in self.modules():  # modules() yields a shared module (a RoPE table) once
+            if isinstance(module, RopeTable):
+                module.reset_buffers(device)
+            elif module is not self and hasattr(module, "reset_buffers"):
                 module.reset_buffers()
         self.to(device)
 

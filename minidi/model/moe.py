@@ -177,13 +177,13 @@ class RoutedExperts(nn.Module):
         counts = torch.zeros(self.n_experts, dtype=torch.long, device=flat.device).scatter_add_(
             0, flat, torch.ones_like(flat))  # (bincount has a data-dependent output size)
         offs = counts[:n_local].cumsum(0).to(torch.int32)  # rows past offs[-1] belong to other ranks' experts
+        if cfg.fake_quant:  # per token, before the rows are gathered: fq8 is row-wise, so this equals quantising
+            x = fq8(x, cfg.act_block)  # the R = T k gathered rows, on k times fewer rows (as an FP8 dispatch does)
         xs = x[order // k]  # [R, D] rows sorted by expert
         ws = weights.flatten()[order].unsqueeze(-1)  # [R, 1]
         w1 = dequant_expert_stack(self.w1, self.w1_scale, dtype)
         w3 = dequant_expert_stack(self.w3, self.w3_scale, dtype)
         w2 = dequant_expert_stack(self.w2, self.w2_scale, dtype)
-        if cfg.fake_quant:
-            xs = fq8(xs, cfg.act_block)
         a = swiglu_clipped(grouped_mm(xs, w1, offs), grouped_mm(xs, w3, offs), cfg.swiglu_limit) * ws
         a = a.to(dtype)
         if cfg.fake_quant:

@@ -131,6 +131,8 @@ def is_inplace(node: Node) -> bool:
 
 def mutation_between(graph: Graph, first: Node, last: Node, allowed: Iterable[Node]) -> Node | None:
     """The first mutating node strictly between ``first`` and ``last`` (graph order) that is not in ``allowed``."""
+    if first is last:  # a one-node subgraph: nothing lies between
+        return None
     allowed = set(allowed)
     inside = False
     for n in graph.nodes:

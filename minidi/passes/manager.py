@@ -34,6 +34,8 @@ from minidi.model.config import ModelConfig
 from .base import Rewrite, apply_match, site_of
 from .rewrite_fp4_experts import FP4GroupedMM
 from .rewrite_gate import GateTF32x3
+from .rewrite_hc_expand import HCExpand
+from .rewrite_hc_mix import HCMixTF32x3
 from .rewrite_indexer import IndexerTopK
 from .rewrite_moe_combine import MoECombine
 from .rewrite_sparse_attention import SparseAttention
@@ -45,29 +47,36 @@ except ImportError:  # pragma: no cover
 
 log = logging.getLogger("minidi.passes")
 
-REWRITES: tuple[type[Rewrite], ...] = (MoECombine, GateTF32x3, FP4GroupedMM, SparseAttention, IndexerTopK)
+REWRITES: tuple[type[Rewrite], ...] = (MoECombine, GateTF32x3, FP4GroupedMM, SparseAttention, IndexerTopK,
+                                        HCMixTF32x3, HCExpand)
 BY_KEY: dict[str, type[Rewrite]] = {r.key: r for r in REWRITES}
 BY_NAME: dict[str, type[Rewrite]] = {r.name: r for r in REWRITES}
 GEMMS_PER_MOE = 3  # w1, w3, w2: pass D matches each expert GEMM
+HC_SITES_PER_LAYER = 2  # the attention and the FFN mHC site: passes F (mixer) and G (stream update) match each
 
 
 class PassMatchError(RuntimeError):
     """strict mode: a pass matched a different number of sites than the model has."""
 
 
-def expected_sites(cfg: ModelConfig) -> dict[str, list[int]]:
+def expected_sites(cfg: ModelConfig, regional: bool = False) -> dict[str, list[int | None]]:
     """Layer of every site each pass must match in one model step, from the config.
 
     A: every layer (window-only layers too); B: every index-source layer (V4.1: owners and re-index layers; V4:
     the ratio-4 layers); C, E: every layer (one MoE each, hash-routed layers still compute the gate logits);
-    D: every layer, three times (w1, w3, w2)."""
+    D: every layer, three times (w1, w3, w2); F: every layer twice (the attention and FFN mHC mixers), plus V4's
+    head (``hc_head``, outside the layers: site None) unless ``regional`` (only the layers are compiled then);
+    G: every layer twice (the stream update after attention and after the MoE)."""
     layers = list(range(cfg.n_layers))
+    head: list[int | None] = [] if (cfg.is_v41 or regional) else [None]
     return {
         "A": layers,
         "B": [i for i in layers if cfg.is_index_source(i)],
         "C": layers,
         "D": [i for i in layers for _ in range(GEMMS_PER_MOE)],
         "E": layers,
+        "F": [i for i in layers for _ in range(HC_SITES_PER_LAYER)] + head,
+        "G": [i for i in layers for _ in range(HC_SITES_PER_LAYER)],
     }
 
 
@@ -187,7 +196,7 @@ class PassManager(_PassBase):
             want, got = Counter(want), Counter(sites[key])
             if sum(want.values()) == counts[key] and want == got:
                 continue
-            missed = sorted((want - got).elements())
+            missed = sorted((want - got).elements(), key=lambda x: (x is None, x or 0))
             extra = sorted((got - want).elements(), key=lambda x: (x is None, x or 0))
             msg = (f"pass {key} ({BY_KEY[key].name}): expected {sum(want.values())} site(s), matched {counts[key]}"
                    + (f"; missed in layers {missed}" if missed else "")
@@ -262,7 +271,7 @@ def compile(  # noqa: A001 (minidi.compile mirrors torch.compile)
         owner = getattr(model_or_step, "__self__", model_or_step)
     cfg = getattr(owner, "cfg", None)
     if expected is None and isinstance(cfg, ModelConfig):
-        expected = expected_sites(cfg)
+        expected = expected_sites(cfg, regional=regional)
     manager = PassManager(passes, strict=strict, expected=expected, op_backend=op_backend, keep_graphs=keep_graphs)
     if regional:
         return _compile_regional(owner, manager, backend, fullgraph=fullgraph, dynamic=dynamic, **compile_kwargs)

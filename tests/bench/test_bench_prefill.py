@@ -135,3 +135,27 @@ def test_stock_compile_mode(tmp_path):
     assert res["pass_matches"] is None
     assert res["logits_finite"] is True
     assert res["stages_ms"]["moe"] > 0
+
+
+def test_out_of_memory_is_recorded_and_the_next_mode_runs(tmp_path, monkeypatch):
+    """A mode that runs out of memory (eager at full size, before the chunked indexer) writes a JSON line with the
+    error and no speed, and the modes after it still run: a long device call loses nothing."""
+    import bench.bench_prefill as bp
+
+    real = bp.run_mode
+
+    def eager_ooms(mode, *a, **kw):
+        if mode == "eager":
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 32.00 GiB\nmore text")
+        return real(mode, *a, **kw)
+
+    monkeypatch.setattr(bp, "run_mode", eager_ooms)
+    with torch._dynamo.config.patch(specialize_float=True):
+        results, lines = run(tmp_path, "--modes", "eager,compile", "--backend", "aot_eager", "--dtype", "float32")
+    assert [r["mode"] for r in lines] == ["eager", "compile"]
+    failed, ran = lines
+    assert failed["error"] == "OutOfMemoryError: CUDA out of memory. Tried to allocate 32.00 GiB"
+    assert failed["ms_per_step"] is None and failed["input_tok_per_s_per_gpu"] is None
+    assert set(FIELDS) <= set(failed)
+    assert ran["ms_per_step"] > 0 and "error" not in ran
+    assert [r["mode"] for r in results] == ["compile"]

@@ -82,6 +82,30 @@ def test_sparse_attention_sink_is_denominator_only_and_bf16_rounding():
     assert (outb - rounded).abs().max() < 1e-2
 
 
+def test_indexer_topk_eager_query_chunks_equal_the_whole_product(monkeypatch):
+    """Eager builds the [T, Hi, N] product in query chunks past EAGER_SCORE_BYTES (memory only): same scores, same
+    picks, for chunk sizes that do and do not divide T (ragged last chunk) and for 1-row chunks."""
+    from minidi.model import indexer
+
+    g = torch.Generator().manual_seed(3)
+    t, hi, di, n = 13, 8, 16, 37
+    q, k, w = torch.randn(t, hi, di, generator=g), torch.randn(n, di, generator=g), torch.rand(t, hi, generator=g)
+    k_start, k_end = torch.zeros(t, dtype=torch.long), torch.randint(1, n + 1, (t,), generator=g)
+    allowed = torch.rand(t, n, generator=g) > 0.2
+    idx_whole, s_whole = indexer_topk_naive(q, k, w, k_start, k_end, 6, allowed)
+    row_bytes = hi * n * q.element_size()
+    for rows in (1, 4, 5, t - 1):
+        monkeypatch.setattr(indexer, "EAGER_SCORE_BYTES", rows * row_bytes + row_bytes // 2)  # rows per chunk
+        calls = []
+        real = indexer._head_weighted_scores
+        monkeypatch.setattr(indexer, "_head_weighted_scores", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+        idx_c, s_c = indexer_topk_naive(q, k, w, k_start, k_end, 6, allowed)
+        assert calls == [rows] * (t // rows) + ([t % rows] if t % rows else [])  # really chunked, ragged tail
+        assert torch.allclose(s_c, s_whole, atol=1e-6, rtol=0) and torch.equal(s_c.isinf(), s_whole.isinf())
+        assert torch.equal(idx_c, idx_whole)
+        monkeypatch.setattr(indexer, "_head_weighted_scores", real)
+
+
 def test_indexer_topk_matches_float64_and_masks_invisible():
     g = torch.Generator().manual_seed(1)
     t, hi, di, n = 11, 8, 16, 9

@@ -115,6 +115,53 @@ def test_clear_errors(monkeypatch):
     assert torch.equal(gate_tf32x3(x, w, backend="ref"), x.float() @ w.float().t())
 
 
+@pytest.mark.parametrize("t,e", [(37, 24), (5, 4), (70, 64)])
+def test_thin_outputs_mhc_projection(t, e):
+    """Pass F's use: bf16 streams [T, n D] x fp32 fn [(2 + n) n, n D] (thin tiles, E <= THIN_N), poisoned output
+    buffer fully overwritten, fp32-level error against float64."""
+    from minidi.ops import gate_tf32x3 as op
+
+    assert op.default_config(t, e, 1280, torch.bfloat16, torch.float32)["BLOCK_N"] == max(16, 1 << (e - 1).bit_length())
+    torch.manual_seed(6)
+    x, w = make(t, e, 1280, torch.bfloat16, torch.float32, DEV)
+    out = torch.full((t, e), float("nan"), device=DEV)
+    op.launch(x, w, out)
+    assert torch.isfinite(out).all()
+    assert rel_err(out, x, w) <= 1e-5
+    assert rel_err(gate_tf32x3(x, w), x, w) <= 1e-5
+
+
+@pytest.mark.parametrize("d,split_k", [(1280, 3), (1000, 3), (1000, 8), (64, 4), (130, 2)])
+@pytest.mark.parametrize("x_dtype,w_dtype,split", [COMBOS[0], COMBOS[3], COMBOS[4]])
+def test_split_k(d, split_k, x_dtype, w_dtype, split):
+    """K split over grid axis 1 into whole BLOCK_K chunks (ragged last chunk; more splits asked than chunks exist),
+    planes added in fp32: same error level, poisoned output fully overwritten."""
+    from minidi.ops import gate_tf32x3 as op
+
+    torch.manual_seed(8)
+    x, w = make(37, 24, d, x_dtype, w_dtype, DEV)
+    out = torch.full((37, 24), float("nan"), device=DEV)
+    op.launch(x, w, out, split, BLOCK_K=64, SPLIT_K=split_k)
+    assert torch.isfinite(out).all()
+    assert rel_err(out, x, w) <= 1e-5
+
+
+@pytest.mark.gpu
+def test_gpu_mhc_shape():
+    """The mHC mixer at full size: T 4,096 x K 20,480 (4 streams x 5,120) x 24, bf16 x, fp32 fn."""
+    torch.manual_seed(7)
+    x, w = make(4096, 24, 20480, torch.bfloat16, torch.float32, DEV)
+    err = rel_err(gate_tf32x3(x, w), x, w)
+    print(f"mHC shape: rel err {err:.2e} (fp32 matmul {rel_err(gate_tf32x3_ref(x, w), x, w):.2e})")
+    assert err <= 1e-5
+    from minidi.ops import gate_tf32x3 as op
+
+    for split_k in (2, 8, 32):
+        out = torch.full((4096, 24), float("nan"), device=DEV)
+        op.launch(x, w, out, SPLIT_K=split_k)
+        assert rel_err(out, x, w) <= 1e-5, split_k
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("x_dtype,w_dtype,split", COMBOS + BUILTIN)
 def test_gpu_bench_shape(x_dtype, w_dtype, split):

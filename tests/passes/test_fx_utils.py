@@ -25,3 +25,23 @@ def test_dunder_method_and_operator_are_the_same_call():
 def test_plain_methods_keep_their_name():
     assert op(_node("method", "float")) == "float"
     assert op(_node("function", torch.where)) == "where"
+
+
+def test_mutation_between_a_one_node_subgraph_and_after_it():
+    """Nothing lies strictly between a node and itself, and a mutation after the anchor does not count (pass G's
+    one-node einsum matched only the last of 20 sites while this scanned to the end of the graph)."""
+    from minidi.passes.fx_utils import mutation_between
+
+    def f(x, buf):
+        y = x * 2
+        z = y + 1
+        buf.add_(1)
+        return z
+
+    gm = torch.fx.symbolic_trace(f)
+    nodes = {n.name: n for n in gm.graph.nodes}
+    mul, add, add_ = nodes["mul"], nodes["add"], nodes["add_"]
+    assert mutation_between(gm.graph, add, add, [add]) is None
+    assert mutation_between(gm.graph, mul, add, [mul, add]) is None
+    out = [n for n in gm.graph.nodes if n.op == "output"][0]
+    assert mutation_between(gm.graph, mul, out, [mul]) is add_

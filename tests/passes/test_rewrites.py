@@ -115,6 +115,70 @@ def test_gate_lookalike_head_gemm_not_taken():
     assert mgr.counts == {"E": 0} and graph_text(before) == graph_text(after)
 
 
+# ---- F: mHC mixer projection -----------------------------------------------------------------------------------------
+def hc_inputs(g, n=4, d=48, t=5):
+    x = torch.randn(t, n, d, generator=g).bfloat16()
+    fn = torch.randn((2 + n) * n, n * d, generator=g) * (n * d) ** -0.5
+    return x, fn, torch.randn((2 + n) * n, generator=g), torch.rand(3, generator=g)
+
+
+def test_hc_mix_rewrite():
+    from minidi.model.hyper_connections import hc_mixer
+
+    x, fn, base, scale = hc_inputs(torch.Generator().manual_seed(2))
+    m = Fn(hc_mixer, iters=3, hc_eps=1e-6, norm_eps=1e-6)
+    out, mgr, _, after = run(m, (x, fn, base, scale), "F", 1, strict=True)
+    assert mgr.counts == {"F": 1}
+    for got, want in zip(out, hc_mixer(x, fn, base, scale, 3, 1e-6, 1e-6)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    calls = call_targets(after)
+    assert "minidi.ops.gate_tf32x3.gate_tf32x3" in calls and "matmul" not in str(calls)
+
+
+def test_hc_mix_lookalikes_not_taken():
+    """The router GEMM (pass E's: bf16 weight, feeds softplus) and a wide fp32 GEMM (an output head) stay."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(5, 64, generator=g)
+    _, mgr, before, after = run(Fn(gate), (x, torch.randn(8, 64, generator=g).bfloat16()), "F")
+    assert mgr.counts == {"F": 0} and graph_text(before) == graph_text(after)
+
+    def head(x, w):
+        return x.float() @ w.float().t()
+
+    _, mgr, before, after = run(Fn(head), (x, torch.randn(65, 64, generator=g)), "F")  # 65 > THIN_N rows
+    assert mgr.counts == {"F": 0} and graph_text(before) == graph_text(after)
+    _, mgr, _, _ = run(Fn(head), (x, torch.randn(24, 64, generator=g)), "F")  # thin fp32: taken
+    assert mgr.counts == {"F": 1}
+
+
+# ---- G: mHC stream update ------------------------------------------------------------------------------------------
+def test_hc_expand_rewrite():
+    from minidi.model.hyper_connections import hc_expand
+
+    g = torch.Generator().manual_seed(4)
+    t, n, d = 5, 4, 24
+    x, h = torch.randn(t, n, d, generator=g).bfloat16(), torch.randn(t, d, generator=g).bfloat16()
+    post, comb = torch.rand(t, n, generator=g), torch.rand(t, n, n, generator=g)
+    out, mgr, _, after = run(Fn(hc_expand), (x, h, post, comb), "G", 1, strict=True)
+    assert mgr.counts == {"G": 1}
+    ref = (post.double()[..., None] * h.double()[:, None] + torch.einsum("tjk,tjd->tkd", comb.double(), x.double()))
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.double(), ref.bfloat16().double(), rtol=0, atol=0.02)
+    naive = hc_expand(x, h, post, comb).float()  # fp32 sums in another order, then one bf16 rounding
+    assert (out.float() - naive).abs().max() <= 2**-7 * naive.abs().max()
+    assert "minidi.ops.hc_streams.hc_stream_mix" in call_targets(after) and "einsum" not in str(call_targets(after))
+
+
+def test_hc_expand_lookalikes_not_taken():
+    """Another equation (sum over the second index, k), and bf16 operands: left alone."""
+    g = torch.Generator().manual_seed(5)
+    comb, x = torch.rand(5, 4, 4, generator=g), torch.randn(5, 4, 8, generator=g)
+    for fn, args in ((lambda c, v: torch.einsum("tkj,tjd->tkd", c, v), (comb, x)),
+                     (lambda c, v: torch.einsum("tjk,tjd->tkd", c, v), (comb.bfloat16(), x.bfloat16()))):
+        _, mgr, before, after = run(Fn(fn), args, "G")
+        assert mgr.counts == {"G": 0} and graph_text(before) == graph_text(after)
+
+
 # ---- A: sparse attention ----------------------------------------------------------------------------------------------
 def attn_inputs(g, comp: bool):
     t, h, d, nw, nc, w, kk = 5, 4, 32, 12, 6, 4, 3
@@ -318,7 +382,7 @@ def test_non_strict_warns_and_keeps_the_naive_path(monkeypatch):
 def test_pass_selection_and_uuid():
     from minidi.passes import PassManager, select
 
-    assert select("all") == ["C", "E", "D", "A", "B"] and select("none") == [] and select(None) == []
+    assert select("all") == ["C", "E", "D", "A", "B", "F", "G"] and select("none") == [] and select(None) == []
     assert select("B,a") == ["A", "B"] and select(["moe_combine", "E"]) == ["C", "E"]
     with pytest.raises(ValueError, match="unknown pass 'Z'"):
         select("Z")
