@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import functools
 import warnings
+from typing import Optional
 
 import torch
 import triton
@@ -69,8 +70,10 @@ def fp4_dequant_ref(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtyp
 
 
 def fp4_grouped_mm_ref(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor,
-                       offs: torch.Tensor) -> torch.Tensor:
+                       offs: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
     """Plain torch, one expert at a time in fp32 (host sync on ``offs``). Same contract as ``fp4_grouped_mm``."""
+    if rows is not None:
+        x = x[rows]
     r, n = x.shape[0], w_packed.shape[1]
     out = torch.zeros(r, n, dtype=torch.float32, device=x.device)
     start = 0
@@ -144,12 +147,12 @@ def _decode_e2m1_asm(p, s, BN: tl.constexpr, BK: tl.constexpr):
 
 @triton.jit
 def _fp4_grouped_mm_kernel(
-        x_ptr, w_ptr, s_ptr, offs_ptr, out_ptr,
+        x_ptr, w_ptr, s_ptr, offs_ptr, out_ptr, rows_ptr,
         R, N, K, E, NUM_PROGS,
         stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_om,
         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, E_POW2: tl.constexpr,
         SWAP: tl.constexpr, DECODE: tl.constexpr, EVEN_K: tl.constexpr, SCALE32: tl.constexpr,
-        IS_FP32: tl.constexpr,
+        IS_FP32: tl.constexpr, HAS_ROWS: tl.constexpr,
         INTERPRET: tl.constexpr):
     """out[r, n] = sum_k x[r, k] * W[e(r), n, k], W decoded from (w_ptr, s_ptr) in the K loop; see module doc."""
     pid = tl.program_id(0)
@@ -176,6 +179,10 @@ def _fp4_grouped_mm_kernel(
         rows = m0 + tl.arange(0, BM)  # [BM]
         cols = nt * BN + tl.arange(0, BN)  # [BN]
         rows_ld = tl.minimum(rows, R - 1).to(tl.int64)  # clamped: in bounds, masked at the store
+        if HAS_ROWS:  # output row r multiplies x row rows[r]: the gather happens in the load path
+            src = tl.load(rows_ptr + rows_ld).to(tl.int64)
+        else:
+            src = rows_ld
         cols_ld = tl.minimum(cols, N - 1)
         e_ld = tl.minimum(e, E - 1).to(tl.int64)
         k_hi = tl.where(e < E, K, 0)  # virtual expert E: no K loop, zeros
@@ -183,9 +190,9 @@ def _fp4_grouped_mm_kernel(
         kp = tl.arange(0, BK // 2)
         ks = tl.arange(0, BK // 32)
         if SWAP:  # x^T tile [BK, BM] (the B operand), addressed directly rather than through tl.trans
-            x_ptrs = x_ptr + rows_ld[None, :] * stride_xm + kx[:, None]  # [BK, BM]
+            x_ptrs = x_ptr + src[None, :] * stride_xm + kx[:, None]  # [BK, BM]
         else:
-            x_ptrs = x_ptr + rows_ld[:, None] * stride_xm + kx[None, :]  # [BM, BK]
+            x_ptrs = x_ptr + src[:, None] * stride_xm + kx[None, :]  # [BM, BK]
         w_ptrs = w_ptr + e_ld * stride_we + cols_ld[:, None] * stride_wn + kp[None, :]  # [BN, BK/2]
         if SCALE32:  # a row's 4 scale codes of a 128-wide K chunk as one int32 (cp.async needs >= 4 bytes)
             s_ptrs = s_ptr.to(tl.pointer_type(tl.int32)) + (e_ld * stride_se + cols_ld * stride_sn) // 4  # [BN]
@@ -261,10 +268,12 @@ def _num_sms(index: int) -> int:
 
 
 def launch(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor, offs: torch.Tensor, out: torch.Tensor,
-           config: Fp4GemmConfig | None = None) -> None:
-    """Checked tensors (unit last-dim strides): x [R, K], w_packed [E, N, K/2], w_scale [E, N, K/32], offs [E] int32,
-    out [R, N] in x's dtype. Writes every row of ``out``."""
-    r, k = x.shape
+           config: Fp4GemmConfig | None = None, rows: torch.Tensor | None = None) -> None:
+    """Checked tensors (unit last-dim strides): x [R, K] (or [Rx, K] with ``rows`` [R] int, output row r reading x
+    row rows[r]), w_packed [E, N, K/2], w_scale [E, N, K/32], offs [E] int32, out [R, N] in x's dtype. Writes every
+    row of ``out``."""
+    k = x.shape[1]
+    r = x.shape[0] if rows is None else rows.shape[0]
     e, n = w_packed.shape[:2]
     if r == 0 or n == 0:
         return
@@ -293,11 +302,11 @@ def launch(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor, offs:
     scale32 = (k % 128 == 0 and cfg.BK <= 128 and w_scale.stride(0) % 4 == 0 and w_scale.stride(1) % 4 == 0
                and w_scale.data_ptr() % 4 == 0)
     _fp4_grouped_mm_kernel[(progs,)](
-        x, w_packed.view(torch.uint8), w_scale.view(torch.uint8), offs, out,
+        x, w_packed.view(torch.uint8), w_scale.view(torch.uint8), offs, out, offs if rows is None else rows,
         r, n, k, e, progs,
         x.stride(0), w_packed.stride(0), w_packed.stride(1), w_scale.stride(0), w_scale.stride(1), out.stride(0),
         BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, E_POW2=e_pow2, SWAP=cfg.swap, DECODE=DECODES.index(cfg.decode),
-        EVEN_K=even_k, SCALE32=scale32, IS_FP32=x.dtype == torch.float32, INTERPRET=interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        EVEN_K=even_k, SCALE32=scale32, IS_FP32=x.dtype == torch.float32, HAS_ROWS=rows is not None, INTERPRET=interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 _GOOD: set[tuple] = set()  # (config, dtype, device type) that compiled and launched
@@ -305,21 +314,21 @@ _BAD: set[tuple] = set()  # ... that failed to compile/launch: never retried (a 
 
 
 def _launch_with_fallback(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor, offs: torch.Tensor,
-                          out: torch.Tensor) -> Fp4GemmConfig:
+                          out: torch.Tensor, rows: torch.Tensor | None = None) -> Fp4GemmConfig:
     """Run the first config of ``fallback_chain`` that is not known to fail. A config that fails to compile or launch
     (Triton versions differ in ``dot_scaled``/inline-asm support and shared-memory use) is remembered as bad, with
     one warning, and the next known-good config runs. The last config of the chain re-raises. Returns the config."""
-    r, k = x.shape
+    r, k = out.shape[0], x.shape[1]
     chain = fallback_chain(r, w_packed.shape[0], w_packed.shape[1], k, x.dtype, x.device)
     live = [c for c in chain if (c, x.dtype, x.device.type) not in _BAD] or chain[-1:]
     for i, c in enumerate(live):
         key = (c, x.dtype, x.device.type)
         if key in _GOOD or i == len(live) - 1:
-            launch(x, w_packed, w_scale, offs, out, c)
+            launch(x, w_packed, w_scale, offs, out, c, rows)
             _GOOD.add(key)
             return c
         try:
-            launch(x, w_packed, w_scale, offs, out, c)
+            launch(x, w_packed, w_scale, offs, out, c, rows)
             _GOOD.add(key)
             return c
         except Exception as err:  # compile-time failure of this config only (a known-good config re-raises above)
@@ -373,32 +382,51 @@ def _unit_last(t: torch.Tensor) -> torch.Tensor:
 # ---- custom op -----------------------------------------------------------------------------------------------------
 @torch.library.custom_op("minidi::fp4_grouped_mm", mutates_args=())
 def _fp4_grouped_mm_op(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor,
-                       offs: torch.Tensor) -> torch.Tensor:
+                       offs: torch.Tensor, rows: Optional[torch.Tensor] = None) -> torch.Tensor:
     if not triton_can_run(x, w_packed, w_scale, offs):
         raise RuntimeError(f"minidi::fp4_grouped_mm: Triton needs CUDA tensors, or CPU tensors with "
                            f"TRITON_INTERPRET=1 (got {x.device}); use backend='ref'")
     x, w_packed, w_scale = _unit_last(x), _unit_last(w_packed), _unit_last(w_scale)
-    out = torch.empty(x.shape[0], w_packed.shape[1], dtype=x.dtype, device=x.device)
-    _launch_with_fallback(x, w_packed, w_scale, offs.contiguous(), out)
+    r = x.shape[0] if rows is None else rows.shape[0]
+    out = torch.empty(r, w_packed.shape[1], dtype=x.dtype, device=x.device)
+    _launch_with_fallback(x, w_packed, w_scale, offs.contiguous(), out, None if rows is None else rows.contiguous())
     return out
 
 
 @_fp4_grouped_mm_op.register_fake
-def _(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    return x.new_empty(x.shape[0], w_packed.shape[1])
+def _(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor, offs: torch.Tensor,
+      rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+    return x.new_empty(x.shape[0] if rows is None else rows.shape[0], w_packed.shape[1])
 
 
 def fp4_grouped_mm(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor, offs: torch.Tensor,
-                   backend: str = "triton") -> torch.Tensor:
+                   backend: str = "triton", rows: torch.Tensor | None = None) -> torch.Tensor:
     """Grouped GEMM over experts with FP4 weights decoded in the kernel's load path.
 
     x [R, K] bf16 | fp32, rows sorted by expert; w_packed [E, N, K/2] int8 (two e2m1 codes per byte, element 2i in
     the low nibble); w_scale [E, N, K/32] float8_e8m0fnu; offs [E] int32, cumulative row ends (non-decreasing,
     offs[-1] <= R; rows >= offs[-1] come out as zeros). Returns y [R, N] in x's dtype,
     y[r] = x[r] @ dequant(w)[e(r)].T with fp32 accumulation. ``backend``: "triton" or "ref" (plain torch).
+    ``rows`` [R] int (optional): the GEMM of ``x[rows]`` without building it (the kernel reads x row rows[r] for
+    output row r; the MoE's token -> sorted-row gather, pass D). Its values must lie in [0, x.shape[0]): checked
+    by the ref backend and on CPU tensors only (a device check would sync).
     """
     check_backend(backend)
     _check(x, w_packed, w_scale, offs)
+    if rows is not None:
+        _check_rows(rows, x)
     if backend == "ref":
-        return fp4_grouped_mm_ref(x, w_packed, w_scale, offs)
-    return _fp4_grouped_mm_op(x, w_packed, w_scale, offs)
+        return fp4_grouped_mm_ref(x, w_packed, w_scale, offs, rows)
+    return _fp4_grouped_mm_op(x, w_packed, w_scale, offs, rows)
+
+
+def _check_rows(rows: torch.Tensor, x: torch.Tensor) -> None:
+    if rows.dim() != 1 or rows.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"fp4_grouped_mm: rows must be [R] int32/int64 (x row of each output row), got "
+                         f"{tuple(rows.shape)} {rows.dtype}")
+    if rows.device != x.device:
+        raise ValueError(f"fp4_grouped_mm: rows must be on x's device {x.device}, got {rows.device}")
+    if rows.device.type == "cpu" and rows.numel() and not torch.compiler.is_compiling():
+        lo, hi = int(rows.min()), int(rows.max())
+        if lo < 0 or hi >= x.shape[0]:
+            raise IndexError(f"fp4_grouped_mm: rows holds {lo if lo < 0 else hi}, outside x's {x.shape[0]} rows")

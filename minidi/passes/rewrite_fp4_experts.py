@@ -14,6 +14,8 @@ Naive subgraph (Dynamo FX; ``dequant_fp4`` inlined), once per weight stack w1, w
 Replacement::
 
     y = fp4_grouped_mm(x, packed, scale, offs)     # FP4 decoded in the GEMM's load path; no [E, N, K] stack
+    y = fp4_grouped_mm(tokens, packed, scale, offs, rows=idx)   # bf16 form with x = tokens[idx] (the MoE's
+                                                   # token -> sorted-row gather): rows read by index, x never built
 
 One match = one GEMM (three per MoE layer). The dequantised stack is erased once its last GEMM is rewritten.
 Refused: a stack that is not this exact e2m1 x E8M0 decode, another contraction, a gather of other rows.
@@ -187,5 +189,21 @@ class FP4GroupedMM(Rewrite):
             return None
         if dtype(offs) != torch.int32 or rank(offs) != 1:
             return None
+        kwargs = {"backend": self.op_backend}
+        gather = _row_gather(x) if is_call(node, "_grouped_mm") else None
+        if gather is not None:  # x = tokens[rows]: the kernel reads the token rows by index, x is never built
+            x, kwargs["rows"] = gather
+            nodes = nodes | {node.args[0]}  # erased once its last GEMM (w1, then w3) is rewritten
         return Match(anchor=node, nodes=nodes | dq_nodes, target=fp4_grouped_mm, args=(x, packed, scale, offs),
-                     kwargs={"backend": self.op_backend}, outputs=[(node, None)])
+                     kwargs=kwargs, outputs=[(node, None)])
+
+
+def _row_gather(x: Node) -> tuple[Node, Node] | None:
+    """x = tokens[rows] (a 1-D integer index into a 2-D tensor of x's dtype) -> (tokens, rows)."""
+    if not (is_call(x, "getitem") and len(x.args) == 2 and isinstance(x.args[1], Node)):
+        return None
+    tokens, rows = x.args
+    if rank(tokens) != 2 or dtype(tokens) != dtype(x) or rank(rows) != 1 or dtype(rows) not in (torch.int64,
+                                                                                                 torch.int32):
+        return None
+    return tokens, rows

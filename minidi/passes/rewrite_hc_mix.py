@@ -26,32 +26,20 @@ from torch.fx import Node
 from minidi.ops.gate_tf32x3 import THIN_N, gate_tf32x3
 
 from .base import Match, Rewrite
-from .fx_utils import dtype, is_call, n_args, rank, val
-
-_IN = (torch.float32, torch.bfloat16)
-
+from .fx_utils import dtype, val
+from .rewrite_gate import feeds_softplus, fp32_gemm
 
 class HCMixTF32x3(Rewrite):
     key = "F"
     name = "hc_mix_tf32x3"
 
     def match(self, node: Node) -> Match | None:
-        if not is_call(node, "matmul") or len(node.args) != 2 or node.kwargs:
+        gemm = fp32_gemm(node)
+        if gemm is None or feeds_softplus(node):  # the router's GEMM: pass E
             return None
-        xf, wt = node.args
-        if any(is_call(u, "softplus") for u in node.users):  # the router's GEMM: pass E
+        x, w, nodes = gemm
+        rows = val(w).shape[0] if dtype(w) == torch.float32 else None
+        if not isinstance(rows, int) or rows > THIN_N:  # a thin fp32 projection (static width), not a head
             return None
-        if not (is_call(xf, "float") and n_args(xf) == 1 and is_call(wt, "t") and n_args(wt) == 1):
-            return None
-        wf = wt.args[0]
-        if not (is_call(wf, "float") and n_args(wf) == 1) or len(wt.users) != 1 or len(wf.users) != 1:
-            return None
-        x, w = xf.args[0], wf.args[0]
-        if rank(x) != 2 or rank(w) != 2 or dtype(x) not in _IN or dtype(w) != torch.float32:
-            return None
-        rows = val(w).shape[0] if val(w) is not None else None
-        if not isinstance(rows, int) or rows > THIN_N:  # a thin projection (static width), not a head
-            return None
-        nodes = {node, wt, wf} | ({xf} if len(xf.users) == 1 else set())
         return Match(anchor=node, nodes=nodes, target=gate_tf32x3, args=(x, w), kwargs={"backend": self.op_backend},
                      outputs=[(node, None)])

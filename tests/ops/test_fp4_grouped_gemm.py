@@ -88,6 +88,41 @@ def test_bf16_matches_reference(decode, swap, bk):
     assert_close(run(x, wp, ws, offs, cfg), reference(x, wp, ws, offs), torch.bfloat16)
 
 
+@pytest.mark.parametrize("decode,swap,dtype", [("asm", True, torch.bfloat16), ("scaled", False, torch.bfloat16),
+                                                ("manual", False, torch.float32), ("manual", True, torch.float32)])
+def test_rows_gather_in_the_load_path(decode, swap, dtype):
+    """rows: output row r multiplies x row rows[r] (repeats, skipped rows, x with more rows than the output, rows past
+    offs[-1]): equal to the op on the gathered x[rows], poisoned output fully written."""
+    e, n, k, counts, extra = CASES[1]
+    g = torch.Generator().manual_seed(12)
+    x, wp, ws, offs = make(e, n, k, counts, dtype, extra_rows=extra, gen=g)
+    r = x.shape[0]
+    src = torch.randn(r + 9, k, generator=g).to(dtype)  # the tokens; x = src[rows]
+    rows = torch.randint(0, r + 9, (r,), generator=g)
+    rows[:4] = rows[4]  # repeats
+    cfg = Fp4GemmConfig(BM=16, BN=32, BK=64, num_warps=4, num_stages=1, swap=swap, decode=decode, progs=3)
+    out = torch.full((r, n), float("nan"), dtype=dtype)
+    launch(src, wp, ws, offs, out, cfg, rows=rows)
+    assert torch.equal(out, run(src[rows], wp, ws, offs, cfg))
+    assert_close(out, reference(src[rows], wp, ws, offs), dtype)
+    public = fp4_grouped_mm(src, wp, ws, offs, rows=rows.int())
+    assert public.shape == (r, n) and torch.equal(public, fp4_grouped_mm(src[rows], wp, ws, offs))
+    assert_close(fp4_grouped_mm(src, wp, ws, offs, backend="ref", rows=rows), reference(src[rows], wp, ws, offs),
+                 dtype)
+
+
+def test_rows_clear_errors():
+    x, wp, ws, offs = make(*CASES[0][:4], torch.float32)
+    with pytest.raises(ValueError, match=r"rows must be \[R\] int32/int64.*\(3, 2\) torch.int64"):
+        fp4_grouped_mm(x, wp, ws, offs, rows=torch.zeros(3, 2, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"rows must be \[R\] int32/int64.*torch.float32"):
+        fp4_grouped_mm(x, wp, ws, offs, rows=torch.zeros(3))
+    with pytest.raises(IndexError, match=rf"rows holds {x.shape[0]}, outside x's {x.shape[0]} rows"):
+        fp4_grouped_mm(x, wp, ws, offs, rows=torch.tensor([0, x.shape[0]]))
+    with pytest.raises(IndexError, match=r"rows holds -1"):
+        fp4_grouped_mm(x, wp, ws, offs, rows=torch.tensor([-1, 0]))
+
+
 def test_default_config_and_public_op():
     e, n, k, counts, extra = CASES[0]
     for dtype in (torch.float32, torch.bfloat16):
@@ -135,6 +170,8 @@ def test_opcheck():
     x, wp, ws, offs = make(3, 40, 64, [4, 0, 7], torch.bfloat16, extra_rows=2)
     # scales as their uint8 view: opcheck's schema check compares tensors with ops e8m0 does not implement
     torch.library.opcheck(torch.ops.minidi.fp4_grouped_mm.default, (x, wp, ws.view(torch.uint8), offs))
+    rows = torch.tensor([2, 2, 0, 5, 1, 12, 3, 4, 7, 6, 9, 8, 10])  # 13 output rows from x's 13
+    torch.library.opcheck(torch.ops.minidi.fp4_grouped_mm.default, (x, wp, ws.view(torch.uint8), offs, rows))
 
 
 def test_under_torch_compile():

@@ -346,6 +346,30 @@ class GraphModule(torch.nn.Module):
 """)
 
 
+def test_fp4_grouped_mm_absorbs_the_row_gather():
+    """bf16 (``torch._grouped_mm`` form) with x = tokens[rows], two GEMMs on the same gathered rows (w1, w3): both
+    read the tokens by index and the [R, K] gather is gone. Compared with the op on the gathered rows (CPU torch has
+    no bf16 grouped GEMM to run the naive graph)."""
+    from minidi.ops.fp4_grouped_gemm import fp4_grouped_mm
+
+    g = torch.Generator().manual_seed(9)
+    x, packed, scale, offs = experts_inputs(g)
+    tokens = torch.randn(5, x.shape[1], generator=g).bfloat16()
+    rows = torch.tensor([4, 0, 0, 3, 1, 2, 4])
+
+    def two_gemms(tokens, rows, packed, scale, offs):
+        xs = tokens[rows]
+        return experts(xs, packed, scale, offs) + experts(xs, packed, scale, offs)
+
+    out, mgr, _, after = run(Fn(two_gemms), (tokens, rows, packed, scale, offs), "D", 2, strict=True)
+    assert mgr.counts == {"D": 2}
+    one = fp4_grouped_mm(tokens[rows], packed, scale, offs)
+    assert torch.equal(out, one + one)
+    calls = [n for n in after.graph.nodes if n.op == "call_function" and "fp4_grouped_mm" in str(n.target)]
+    assert len(calls) == 2 and all(c.kwargs.get("rows") is not None for c in calls)
+    assert not [n for n in after.graph.nodes if n.op == "call_function" and "getitem" in str(n.target)]
+
+
 def test_fp4_lookalike_dequant_without_grouped_gemm():
     def dense(x, packed, scale, offs):  # the dequantised stack used by a plain GEMM of expert 0
         return x @ dequant_expert_stack(packed, scale, x.dtype)[0].t() + offs.sum()
