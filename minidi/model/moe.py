@@ -120,6 +120,7 @@ class RoutedExperts(nn.Module):
         super().__init__()
         e, i, d, b = cfg.n_local_experts, cfg.moe_inter_dim, cfg.dim, cfg.fp4_block
         self.n_experts, self.first = cfg.n_routed_experts, cfg.first_local_expert
+        self.all_local = cfg.n_local_experts == cfg.n_routed_experts  # one device: no expert-parallel remapping
         shapes = {"w1": (i, d), "w3": (i, d), "w2": (d, i)}
         for name, (out, inp) in shapes.items():
             setattr(self, name, weight_param(e, out, inp // 2, dtype=torch.int8))
@@ -171,8 +172,9 @@ class RoutedExperts(nn.Module):
         t, k = idx.shape
         dtype = x.dtype
         n_local = self.w1.shape[0]
-        # this rank's experts first: local expert j has key j, the others keys >= n_local (no effect on one device)
-        flat = torch.remainder(idx.flatten() - self.first, self.n_experts)  # [R]
+        flat = idx.flatten()  # [R]
+        if not self.all_local:  # this rank's experts first: local expert j has key j, the others keys >= n_local
+            flat = torch.remainder(flat - self.first, self.n_experts)  # (one device: the graph of before EP existed)
         order = flat.argsort(stable=True)  # sorted row -> token-slot
         counts = torch.zeros(self.n_experts, dtype=torch.long, device=flat.device).scatter_add_(
             0, flat, torch.ones_like(flat))  # (bincount has a data-dependent output size)

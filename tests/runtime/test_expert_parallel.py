@@ -170,6 +170,22 @@ def test_routed_outputs_of_the_ranks_sum_to_the_one_device_output(ep, dtype, tol
                 assert (p[untouched] == 0).all()
 
 
+def test_one_device_has_no_expert_parallel_remap(full, ranks, monkeypatch):
+    """N = 1 keeps the graph it had before expert parallelism existed: no key remapping op runs (a rank does)."""
+    calls = []
+    real = torch.remainder
+    monkeypatch.setattr(torch, "remainder", lambda *a, **k: calls.append(1) or real(*a, **k))
+    x = torch.randn(5, full.cfg.dim)
+    ids = torch.randint(0, full.cfg.vocab_size, (5,))
+    with torch.no_grad():
+        for model, want in ((full, 0), (ranks[1], 1)):
+            calls.clear()
+            ffn = model.layers[0].ffn
+            idx, w = ffn.gate(x, ids)
+            ffn.experts(x, idx, w, model.cfg)
+            assert len(calls) == want
+
+
 def test_rank_output_ignores_garbage_in_other_ranks_rows(ranks, full):
     """The rows routed to other ranks' experts are masked in the combine: NaN weights there change nothing."""
     m = ranks[0]
