@@ -184,19 +184,17 @@ def run_mode(mode: str, wl, args, card: dict, out_dir: Path) -> dict:
     tokens = wl.new_tokens * wl.seqs
     flops = step_flops(cfg, wl.new_tokens, wl.cached_tokens, wl.seqs)["total"]
     res = {
-        "model": cfg.name, "arch": cfg.arch, "mode": mode, "passes": args.passes if mode == "passes" else "none",
-        "ep": cfg.ep_size, "ep_emulated": cfg.ep_size > 1 and int(os.environ.get("WORLD_SIZE", "1")) == 1,
-        "compile_scope": args.compile_scope if mode != "eager"
-        else None, "new_tokens": wl.new_tokens, "cached_tokens": wl.cached_tokens, "seqs": wl.seqs,
-        "steps": args.steps, "warmup": args.warmup, "ms_per_step": round(ms, 3),
+        **_what_ran(mode, wl, args, card),
+        "ep_emulated": cfg.ep_size > 1 and int(os.environ.get("WORLD_SIZE", "1")) == 1,
+        "compile_scope": args.compile_scope if mode != "eager" else None, "warmup": args.warmup,
+        "ms_per_step": round(ms, 3),
         "ms_per_step_median": round(statistics.median(times), 3), "ms_per_step_min": round(min(times), 3),
         "input_tok_per_s_per_gpu": round(tokens / ms * 1e3, 1),
         "mfu": round(mfu(flops, ms, card["peaks"]["matmul_tflops"]), 4), "tflop_per_step": round(flops / 1e12, 3),
         "stages_ms": {k: round(v, 3) for k, v in stage_table.items()}, "gpu_busy_ms": busy and round(busy, 3),
         "pass_matches": pass_matches(step), "first_step_s": round(first_s, 1), "logits_finite":
         bool(torch.isfinite(logits).all()), "stage_markers": not args.no_stage_markers, "cuda_graph": False,
-        "trace": trace.name if trace else None, **{k: card[k] for k in ("device", "dtype", "torch", "peaks",
-                                                                         "shared_experts", "engram_table_rows")},
+        "trace": trace.name if trace else None,
     }
     if stage_table:
         res["png"] = _plot(stage_table, f"{cfg.name} {mode} EP{cfg.ep_size}: {ms:.1f} ms/step", out_dir / f"{tag}.png")
@@ -205,17 +203,25 @@ def run_mode(mode: str, wl, args, card: dict, out_dir: Path) -> dict:
 
 def failed_mode(mode: str, wl, args, card: dict, error: BaseException) -> dict:
     """The JSON line of a mode that could not run (out of memory): what was asked, the error, the memory peak."""
-    cfg = wl.model.cfg
     peak = None
     if args.device.startswith("cuda"):
         peak = round(torch.cuda.max_memory_allocated() / 2**30, 1)
         torch.cuda.empty_cache()
     first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     return {
+        **_what_ran(mode, wl, args, card), "ms_per_step": None, "input_tok_per_s_per_gpu": None, "mfu": None,
+        "stages_ms": {}, "pass_matches": None, "error": f"{type(error).__name__}: {first}",
+        "max_memory_allocated_gib": peak,
+    }
+
+
+def _what_ran(mode: str, wl, args, card: dict) -> dict:
+    """The fields every result line has, run or failed: model, mode, passes, EP, workload, and the card."""
+    cfg = wl.model.cfg
+    return {
         "model": cfg.name, "arch": cfg.arch, "mode": mode, "passes": args.passes if mode == "passes" else "none",
         "ep": cfg.ep_size, "new_tokens": wl.new_tokens, "cached_tokens": wl.cached_tokens, "seqs": wl.seqs,
-        "steps": args.steps, "ms_per_step": None, "input_tok_per_s_per_gpu": None, "mfu": None, "stages_ms": {},
-        "pass_matches": None, "error": f"{type(error).__name__}: {first}", "max_memory_allocated_gib": peak,
+        "steps": args.steps,
         **{k: card[k] for k in ("device", "dtype", "torch", "peaks", "shared_experts", "engram_table_rows")},
     }
 

@@ -132,10 +132,8 @@ class Transformer(nn.Module):
         if self.cfg.engram_layers:
             self._register_engram_buffers()
         for module in self.modules():  # modules() yields a shared module (a RoPE table) once
-            if isinstance(module, RopeTable):
+            if module is not self and hasattr(module, "reset_buffers"):
                 module.reset_buffers(device)
-            elif module is not self and hasattr(module, "reset_buffers"):
-                module.reset_buffers()
         self.to(device)
 
     def engram_ids(self, meta: StepMeta) -> dict[int, torch.Tensor]:

@@ -35,14 +35,21 @@ def _device(corr, dur, cat="kernel"):
     return _x(cat, f"k{corr}", GPU, 10_000 + corr * 100, dur, correlation=corr)
 
 
-def _cuda_trace():
-    ranges = [
+def _one_step_ranges():
+    """One step on thread A: attention (with its core and the indexer inside), then the MoE (with its exchange)."""
+    return [
         _range("minidi/step", A, 0, 1000),
         _range("minidi/attn", A, 100, 300),
         _range("minidi/attn.core", A, 200, 100),
         _range("minidi/indexer", A, 320, 60),
         _range("minidi/moe", A, 500, 400),
         _range("minidi/moe.comm", A, 600, 100),
+    ]
+
+
+def _cuda_trace():
+    ranges = [
+        *_one_step_ranges(),
         _x("gpu_user_annotation", "minidi/attn.core", GPU, 10_000, 5_000),  # GPU-side copy of a range: ignored
     ]
     launches = [
@@ -113,12 +120,7 @@ def test_cuda_without_device_events_is_an_error():
 
 def _cpu_trace():
     return {"traceEvents": [
-        _range("minidi/step", A, 0, 1000),
-        _range("minidi/attn", A, 100, 300),
-        _range("minidi/attn.core", A, 200, 100),
-        _range("minidi/indexer", A, 320, 60),
-        _range("minidi/moe", A, 500, 400),
-        _range("minidi/moe.comm", A, 600, 100),
+        *_one_step_ranges(),
         _range("minidi/step", A, 2000, 600),
         _range("minidi/attn", A, 2100, 100),
         _range("minidi/moe", A, 3000, 500),  # outside every step range: ignored
