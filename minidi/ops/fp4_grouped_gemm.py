@@ -306,7 +306,8 @@ def launch(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor, offs:
         r, n, k, e, progs,
         x.stride(0), w_packed.stride(0), w_packed.stride(1), w_scale.stride(0), w_scale.stride(1), out.stride(0),
         BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, E_POW2=e_pow2, SWAP=cfg.swap, DECODE=DECODES.index(cfg.decode),
-        EVEN_K=even_k, SCALE32=scale32, IS_FP32=x.dtype == torch.float32, HAS_ROWS=rows is not None, INTERPRET=interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        EVEN_K=even_k, SCALE32=scale32, IS_FP32=x.dtype == torch.float32, HAS_ROWS=rows is not None,
+        INTERPRET=interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 _GOOD: set[tuple] = set()  # (config, dtype, device type) that compiled and launched

@@ -147,8 +147,16 @@ def test_hc_mix_lookalikes_not_taken():
 
     _, mgr, before, after = run(Fn(head), (x, torch.randn(65, 64, generator=g)), "F")  # 65 > THIN_N rows
     assert mgr.counts == {"F": 0} and graph_text(before) == graph_text(after)
-    _, mgr, _, _ = run(Fn(head), (x, torch.randn(24, 64, generator=g)), "F")  # thin fp32: taken
+    _, mgr, _, after = run(Fn(head), (x, torch.randn(24, 64, generator=g)), "F")  # thin fp32: taken
     assert mgr.counts == {"F": 1}
+    assert_expected_inline(graph_text(after), """\
+class GraphModule(torch.nn.Module):
+    def forward(self, L_args_0_: "f32[5, 64]", L_args_1_: "f32[24, 64]"):
+        l_args_0_ = L_args_0_
+        l_args_1_ = L_args_1_
+        gate_tf32x3 = minidi_ops_gate_tf32x3_gate_tf32x3(l_args_0_, l_args_1_, backend = 'triton');  l_args_0_ = l_args_1_ = None
+        return (gate_tf32x3,)
+""")
 
 
 # ---- G: mHC stream update ------------------------------------------------------------------------------------------
@@ -167,6 +175,25 @@ def test_hc_expand_rewrite():
     naive = hc_expand(x, h, post, comb).float()  # fp32 sums in another order, then one bf16 rounding
     assert (out.float() - naive).abs().max() <= 2**-7 * naive.abs().max()
     assert "minidi.ops.hc_streams.hc_stream_mix" in call_targets(after) and "einsum" not in str(call_targets(after))
+
+
+def test_hc_expand_snapshot():
+    """The einsum alone becomes one hc_stream_mix call on the same operands (its .float() stays)."""
+    g = torch.Generator().manual_seed(5)
+    comb, x = torch.rand(5, 4, 4, generator=g), torch.randn(5, 4, 8, generator=g)
+    mix = Fn(lambda c, v: torch.einsum("tjk,tjd->tkd", c, v.float()))
+    out, mgr, _, after = run(mix, (comb, x), "G", 1, strict=True)
+    assert_expected_inline(graph_text(after), """\
+class GraphModule(torch.nn.Module):
+    def forward(self, L_args_1_: "f32[5, 4, 8]", L_args_0_: "f32[5, 4, 4]"):
+        l_args_1_ = L_args_1_
+        l_args_0_ = L_args_0_
+        float_1: "f32[5, 4, 8]" = l_args_1_.float();  l_args_1_ = None
+        hc_stream_mix = minidi_ops_hc_streams_hc_stream_mix(l_args_0_, float_1);  l_args_0_ = float_1 = None
+        return (hc_stream_mix,)
+""")
+    assert mgr.counts == {"G": 1}
+    torch.testing.assert_close(out, torch.einsum("tjk,tjd->tkd", comb, x), rtol=1e-6, atol=1e-6)
 
 
 def test_hc_expand_lookalikes_not_taken():
