@@ -177,6 +177,16 @@ def main(argv: list[str] | None = None) -> dict:
                 cfg = chosen_config(x, wp)  # after any fallback
                 op = {"config": cfg.name() if cfg else "?", **check(out, ref),
                       **result(bench_ms(lambda: fp4_grouped_mm(x, wp, ws, offs)), flops, nbytes, pk)}
+                # the MoE's form: tokens [R/6, K] read through rows [R] (pass D's rows=), vs gathering them first
+                tokens = torch.randn(r // 6 + 1, k, device=device, dtype=torch.bfloat16)
+                rows_idx = torch.randint(0, tokens.shape[0], (r,), device=device)
+                gathered = fp4_grouped_mm(tokens[rows_idx], wp, ws, offs)
+                base["op_rows"] = {**check(fp4_grouped_mm(tokens, wp, ws, offs, rows=rows_idx), gathered),
+                                   **result(bench_ms(lambda: fp4_grouped_mm(tokens, wp, ws, offs, rows=rows_idx)),
+                                            flops, nbytes, pk)}
+                base["gather_then_op"] = result(bench_ms(lambda: fp4_grouped_mm(tokens[rows_idx], wp, ws, offs)),
+                                                flops, nbytes, pk)
+                del tokens, rows_idx, gathered
                 case.update(op=op, **base)
                 sweep = []
                 if dist == "uniform" and args.sweep != "none":

@@ -10,8 +10,8 @@ high nibble; nibble bit 3 = sign, bits 0-2 index the grid {0, .5, 1, 1.5, 2, 3, 
 consecutive K elements: byte b -> 2^(b-127), 0 -> 2^-127, 255 -> NaN.
 
 Kernel (persistent; the tile schedule is built on the device from ``offs``, no host sync):
-- Each program loads ``offs`` once (a vector of E_POW2 >= E + 1 entries; entry E is a virtual expert that owns the
-  rows past offs[E-1], which are written as zeros), counts the m-tiles of each expert (cdiv(rows_e, BM)) and their
+- Each program loads ``offs`` once (a vector of E_POW2 >= E entries), counts the m-tiles of each expert
+  (cdiv(rows_e, BM)) and their
   inclusive cumsum, then walks the linear tile ids t = pid, pid + P, ... with t = m_tile * n_tiles + n_tile (n fastest:
   the programs running at one time share the x rows of an m-tile through L2, and each expert's weight tile is read
   by all its m-tiles within a short window). Experts with zero rows own no tile and cost nothing.
@@ -156,14 +156,14 @@ def _fp4_grouped_mm_kernel(
         INTERPRET: tl.constexpr):
     """out[r, n] = sum_k x[r, k] * W[e(r), n, k], W decoded from (w_ptr, s_ptr) in the K loop; see module doc."""
     pid = tl.program_id(0)
-    # device-side schedule: m-tiles of each expert; entry E = rows past offs[E-1] (written as zeros)
+    # device-side schedule: m-tiles of each expert; rows past offs[E-1] own no tile (never written, as _grouped_mm)
     ei = tl.arange(0, E_POW2)  # [EP]
     ends = tl.load(offs_ptr + ei, mask=ei < E, other=R)
     starts = tl.load(offs_ptr + ei - 1, mask=(ei >= 1) & (ei <= E), other=R)
     starts = tl.where(ei == 0, 0, starts)
     ends = tl.minimum(tl.maximum(ends, 0), R)
     starts = tl.minimum(tl.maximum(starts, 0), R)
-    ntile = (tl.maximum(ends - starts, 0) + BM - 1) // BM  # [EP] m-tiles per expert
+    ntile = tl.where(ei < E, (tl.maximum(ends - starts, 0) + BM - 1) // BM, 0)  # [EP] m-tiles per expert
     cum = tl.cumsum(ntile, 0)  # [EP] inclusive
     first = cum - ntile  # [EP] first tile id of each expert
     n_tiles = tl.cdiv(N, BN)
@@ -185,7 +185,6 @@ def _fp4_grouped_mm_kernel(
             src = rows_ld
         cols_ld = tl.minimum(cols, N - 1)
         e_ld = tl.minimum(e, E - 1).to(tl.int64)
-        k_hi = tl.where(e < E, K, 0)  # virtual expert E: no K loop, zeros
         kx = tl.arange(0, BK)
         kp = tl.arange(0, BK // 2)
         ks = tl.arange(0, BK // 32)
@@ -203,7 +202,7 @@ def _fp4_grouped_mm_kernel(
         else:
             acc = tl.zeros((BM, BN), dtype=tl.float32)
         smax = tl.zeros((BN,), dtype=tl.int32)
-        for k0 in range(0, k_hi, BK):
+        for k0 in range(0, K, BK):
             if EVEN_K:
                 xt = tl.load(x_ptrs)
                 wq = tl.load(w_ptrs)
@@ -270,8 +269,8 @@ def _num_sms(index: int) -> int:
 def launch(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor, offs: torch.Tensor, out: torch.Tensor,
            config: Fp4GemmConfig | None = None, rows: torch.Tensor | None = None) -> None:
     """Checked tensors (unit last-dim strides): x [R, K] (or [Rx, K] with ``rows`` [R] int, output row r reading x
-    row rows[r]), w_packed [E, N, K/2], w_scale [E, N, K/32], offs [E] int32, out [R, N] in x's dtype. Writes every
-    row of ``out``."""
+    row rows[r]), w_packed [E, N, K/2], w_scale [E, N, K/32], offs [E] int32, out [R, N] in x's dtype. Writes the
+    rows below offs[-1] of ``out``; the rows past it are left as they are (torch._grouped_mm's contract)."""
     k = x.shape[1]
     r = x.shape[0] if rows is None else rows.shape[0]
     e, n = w_packed.shape[:2]
@@ -288,7 +287,7 @@ def launch(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor, offs:
         raise ValueError(f"fp4_grouped_mm: out must be [{r}, {n}] {x.dtype} with unit column stride, got "
                          f"{tuple(out.shape)} {out.dtype} strides {out.stride()}")
     n_tiles = triton.cdiv(n, cfg.BN)
-    max_tiles = (r // cfg.BM + e + 1) * n_tiles  # bound on sum_e cdiv(rows_e, BM), incl. the virtual expert
+    max_tiles = (r // cfg.BM + e) * n_tiles  # bound on sum_e cdiv(rows_e, BM)
     if cfg.progs is not None:
         progs = cfg.progs
     elif x.is_cuda:
@@ -406,8 +405,10 @@ def fp4_grouped_mm(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tenso
 
     x [R, K] bf16 | fp32, rows sorted by expert; w_packed [E, N, K/2] int8 (two e2m1 codes per byte, element 2i in
     the low nibble); w_scale [E, N, K/32] float8_e8m0fnu; offs [E] int32, cumulative row ends (non-decreasing,
-    offs[-1] <= R; rows >= offs[-1] come out as zeros). Returns y [R, N] in x's dtype,
-    y[r] = x[r] @ dequant(w)[e(r)].T with fp32 accumulation. ``backend``: "triton" or "ref" (plain torch).
+    offs[-1] <= R). Returns y [R, N] in x's dtype,
+    y[r] = x[r] @ dequant(w)[e(r)].T with fp32 accumulation for r < offs[-1]; the rows past offs[-1] (other ranks'
+    experts in the MoE) are not written and hold garbage, as with ``torch._grouped_mm`` (the ref backend gives
+    zeros there), so that no time goes to rows nobody reads. ``backend``: "triton" or "ref" (plain torch).
     ``rows`` [R] int (optional): the GEMM of ``x[rows]`` without building it (the kernel reads x row rows[r] for
     output row r; the MoE's token -> sorted-row gather, pass D). Its values must lie in [0, x.shape[0]): checked
     by the ref backend and on CPU tensors only (a device check would sync).

@@ -52,11 +52,24 @@ def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> No
         torch.testing.assert_close(out.float(), ref, rtol=2**-7, atol=1e-3 * scale, equal_nan=True)
 
 
+POISON = 12345.0  # what the launch finds in its output (exact in bf16); the rows past offs[-1] must keep it
+
+
 def run(x, wp, ws, offs, cfg: Fp4GemmConfig | None) -> torch.Tensor:
-    """Launch into a NaN-poisoned output buffer (every row must be written)."""
-    out = torch.full((x.shape[0], wp.shape[1]), float("nan"), dtype=x.dtype, device=x.device)
+    """Launch into a poisoned output buffer: every row below offs[-1] must be written, the rows past it left alone
+    (``assert_tail_untouched``)."""
+    out = torch.full((x.shape[0], wp.shape[1]), POISON, dtype=x.dtype, device=x.device)
     launch(x, wp, ws, offs, out, cfg)
     return out
+
+
+def assert_tail_untouched(out: torch.Tensor, offs: torch.Tensor) -> None:
+    """The kernel never writes the rows past offs[-1] (other ranks' experts), as torch._grouped_mm."""
+    assert (out[int(offs[-1]):] == POISON).all()
+
+
+def valid(t: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    return t[:int(offs[-1])]
 
 
 # ---- interpreter (CPU) -----------------------------------------------------------------------------------------------
@@ -75,8 +88,8 @@ def test_fp32_matches_reference(case, swap):
     x, wp, ws, offs = make(e, n, k, counts, torch.float32, extra_rows=extra)
     cfg = Fp4GemmConfig(BM=16, BN=32, BK=64, num_warps=4, num_stages=1, swap=swap, decode="manual", progs=3)
     out = run(x, wp, ws, offs, cfg)
-    assert_close(out, reference(x, wp, ws, offs), torch.float32)
-    assert (out[sum(counts):] == 0).all()
+    assert_close(valid(out, offs), valid(reference(x, wp, ws, offs), offs), torch.float32)
+    assert_tail_untouched(out, offs)
 
 
 @pytest.mark.parametrize("decode,swap,bk", [("asm", True, 64), ("asm", False, 128), ("scaled", False, 64),
@@ -85,14 +98,16 @@ def test_bf16_matches_reference(decode, swap, bk):
     e, n, k, counts, extra = CASES[1]
     x, wp, ws, offs = make(e, n, k, counts, torch.bfloat16, extra_rows=extra)
     cfg = Fp4GemmConfig(BM=16, BN=32, BK=bk, num_warps=4, num_stages=1, swap=swap, decode=decode, progs=5)
-    assert_close(run(x, wp, ws, offs, cfg), reference(x, wp, ws, offs), torch.bfloat16)
+    out = run(x, wp, ws, offs, cfg)
+    assert_close(valid(out, offs), valid(reference(x, wp, ws, offs), offs), torch.bfloat16)
+    assert_tail_untouched(out, offs)
 
 
 @pytest.mark.parametrize("decode,swap,dtype", [("asm", True, torch.bfloat16), ("scaled", False, torch.bfloat16),
                                                 ("manual", False, torch.float32), ("manual", True, torch.float32)])
 def test_rows_gather_in_the_load_path(decode, swap, dtype):
     """rows: output row r multiplies x row rows[r] (repeats, skipped rows, x with more rows than the output, rows past
-    offs[-1]): equal to the op on the gathered x[rows], poisoned output fully written."""
+    offs[-1]): equal to the op on the gathered x[rows]; the poisoned output written below offs[-1] only."""
     e, n, k, counts, extra = CASES[1]
     g = torch.Generator().manual_seed(12)
     x, wp, ws, offs = make(e, n, k, counts, dtype, extra_rows=extra, gen=g)
@@ -101,12 +116,14 @@ def test_rows_gather_in_the_load_path(decode, swap, dtype):
     rows = torch.randint(0, r + 9, (r,), generator=g)
     rows[:4] = rows[4]  # repeats
     cfg = Fp4GemmConfig(BM=16, BN=32, BK=64, num_warps=4, num_stages=1, swap=swap, decode=decode, progs=3)
-    out = torch.full((r, n), float("nan"), dtype=dtype)
+    out = torch.full((r, n), POISON, dtype=dtype)
     launch(src, wp, ws, offs, out, cfg, rows=rows)
     assert torch.equal(out, run(src[rows], wp, ws, offs, cfg))
-    assert_close(out, reference(src[rows], wp, ws, offs), dtype)
+    assert_tail_untouched(out, offs)
+    assert_close(valid(out, offs), valid(reference(src[rows], wp, ws, offs), offs), dtype)
     public = fp4_grouped_mm(src, wp, ws, offs, rows=rows.int())
-    assert public.shape == (r, n) and torch.equal(public, fp4_grouped_mm(src[rows], wp, ws, offs))
+    assert public.shape == (r, n)
+    assert torch.equal(valid(public, offs), valid(fp4_grouped_mm(src[rows], wp, ws, offs), offs))
     assert_close(fp4_grouped_mm(src, wp, ws, offs, backend="ref", rows=rows), reference(src[rows], wp, ws, offs),
                  dtype)
 
@@ -160,14 +177,13 @@ def test_edge_scale_codes(decode):
 
 def test_empty_and_uncovered_rows():
     x, wp, ws, offs = make(3, 40, 64, [0, 0, 0], torch.bfloat16, extra_rows=5)  # no routed rows at all
-    out = run(x, wp, ws, offs, None)
-    assert (out == 0).all()
+    assert_tail_untouched(run(x, wp, ws, offs, None), offs)  # nothing written
     x, wp, ws, offs = make(3, 40, 64, [0, 0, 0], torch.bfloat16)  # R = 0
     assert fp4_grouped_mm(x, wp, ws, offs).shape == (0, 40)
 
 
 def test_opcheck():
-    x, wp, ws, offs = make(3, 40, 64, [4, 0, 7], torch.bfloat16, extra_rows=2)
+    x, wp, ws, offs = make(3, 40, 64, [4, 0, 9], torch.bfloat16)  # (rows past offs[-1] are garbage: none here)
     # scales as their uint8 view: opcheck's schema check compares tensors with ops e8m0 does not implement
     torch.library.opcheck(torch.ops.minidi.fp4_grouped_mm.default, (x, wp, ws.view(torch.uint8), offs))
     rows = torch.tensor([2, 2, 0, 5, 1, 12, 3, 4, 7, 6, 9, 8, 10])  # 13 output rows from x's 13
@@ -280,12 +296,12 @@ def test_fallback_chain_is_fast_and_failures_are_remembered(monkeypatch):
     monkeypatch.setattr(m, "_BAD", set())
     monkeypatch.setattr(m, "_GOOD", set())
     x, wp, ws, offs = make(3, 40, 64, [4, 0, 7], torch.bfloat16, extra_rows=2)
-    ref = reference(x, wp, ws, offs)
+    ref = valid(reference(x, wp, ws, offs), offs)
     with pytest.warns(UserWarning, match="bogus.*falling back"):
-        assert_close(fp4_grouped_mm(x, wp, ws, offs), ref, torch.bfloat16)
+        assert_close(valid(fp4_grouped_mm(x, wp, ws, offs), offs), ref, torch.bfloat16)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert_close(fp4_grouped_mm(x, wp, ws, offs), ref, torch.bfloat16)
+        assert_close(valid(fp4_grouped_mm(x, wp, ws, offs), offs), ref, torch.bfloat16)
     assert m.chosen_config(x, wp) == good
 
 
@@ -323,7 +339,24 @@ def test_gpu_matches_reference(cfg, shape):
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message="fp4_grouped_mm")  # the default config must not need its fallback
         out = fp4_grouped_mm(x, wp, ws, offs) if cfg is None else run(x, wp, ws, offs, cfg)
-    assert_close(out, reference(x, wp, ws, offs), torch.bfloat16)
+    assert_close(valid(out, offs), valid(reference(x, wp, ws, offs), offs), torch.bfloat16)
+    if cfg is not None:
+        assert_tail_untouched(out, offs)
+
+
+@gpu
+@pytest.mark.parametrize("mean_rows", [256, 64], ids=["ep4", "ep1"])
+def test_gpu_rows_gather(mean_rows):
+    """The MoE's form: tokens [T, K] read through rows [R] (each token k times, sorted by expert), default config."""
+    x, wp, ws, offs = _gpu_case(24, 2304, 5120, mean_rows, seed=mean_rows)
+    g = torch.Generator().manual_seed(5)
+    tokens = torch.randn(x.shape[0] // 6 + 1, 5120, generator=g).to(torch.bfloat16).cuda()
+    rows = torch.randint(0, tokens.shape[0], (x.shape[0],), generator=g).cuda()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="fp4_grouped_mm")
+        out = fp4_grouped_mm(tokens, wp, ws, offs, rows=rows)
+    assert torch.equal(valid(out, offs), valid(fp4_grouped_mm(tokens[rows], wp, ws, offs), offs))
+    assert_close(valid(out, offs), valid(reference(tokens[rows], wp, ws, offs), offs), torch.bfloat16)
 
 
 @gpu
@@ -332,7 +365,8 @@ def test_gpu_ep1_like_and_fp32():
     x32 = x[: offs[7].item()].float()
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message="fp4_grouped_mm")
-        assert_close(fp4_grouped_mm(x, wp, ws, offs), reference(x, wp, ws, offs), torch.bfloat16)
+        assert_close(valid(fp4_grouped_mm(x, wp, ws, offs), offs), valid(reference(x, wp, ws, offs), offs),
+                     torch.bfloat16)
         assert_close(fp4_grouped_mm(x32, wp[:8], ws[:8], offs[:8]), reference(x32, wp[:8], ws[:8], offs[:8]),
                      torch.float32)
 
@@ -346,7 +380,7 @@ def test_gpu_edge_scale_codes(cfg):
     codes[0, 5, 2] = 255
     codes[4, 2303, 31] = 255
     codes[1, :, 0] = 0
-    ref = reference(x, wp, ws, offs)
-    out = fp4_grouped_mm(x, wp, ws, offs) if cfg is None else run(x, wp, ws, offs, cfg)
+    ref = valid(reference(x, wp, ws, offs), offs)
+    out = valid(fp4_grouped_mm(x, wp, ws, offs) if cfg is None else run(x, wp, ws, offs, cfg), offs)
     assert torch.equal(out.isnan(), ref.isnan()) and ref.isnan().any()
     assert_close(out, ref, torch.bfloat16)
