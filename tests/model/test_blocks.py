@@ -106,6 +106,31 @@ def test_indexer_topk_eager_query_chunks_equal_the_whole_product(monkeypatch):
         monkeypatch.setattr(indexer, "_head_weighted_scores", real)
 
 
+def test_expert_dequant_eager_chunks_equal_the_whole_stack(monkeypatch):
+    """Eager decodes the FP4 expert stack a few experts at a time past EAGER_DEQUANT_BYTES (memory only): bit-equal
+    to the whole decode, for chunks that do and do not divide E, with E8M0 edge codes (0, 127, 255 = NaN)."""
+    from minidi.model import moe, quant
+
+    g = torch.Generator().manual_seed(4)
+    e, n, k = 7, 6, 64
+    packed = torch.randint(-128, 128, (e, n, k // 2), dtype=torch.int8, generator=g)
+    codes = torch.randint(100, 140, (e, n, k // 32), dtype=torch.uint8, generator=g)
+    codes[0, 0, 0], codes[3, 5, 1], codes[6, 2, 0] = 0, 255, 127
+    scale = codes.view(torch.float8_e8m0fnu)
+    whole = quant.dequant_fp4(packed, scale, torch.bfloat16)
+    per_expert = n * k * 12
+    for step in (1, 3, e - 1):
+        monkeypatch.setattr(moe, "EAGER_DEQUANT_BYTES", step * per_expert + per_expert // 2)
+        calls = []
+        real = moe.dequant_fp4
+        monkeypatch.setattr(moe, "dequant_fp4", lambda p, *a: calls.append(p.shape[0]) or real(p, *a))
+        out = moe.dequant_expert_stack(packed, scale, torch.bfloat16)
+        assert calls == [step] * (e // step) + ([e % step] if e % step else [])  # really chunked, ragged tail
+        assert out.dtype == torch.bfloat16 and torch.equal(out.isnan(), whole.isnan()) and whole.isnan().any()
+        assert torch.equal(out.nan_to_num(), whole.nan_to_num())
+        monkeypatch.setattr(moe, "dequant_fp4", real)
+
+
 def test_indexer_topk_matches_float64_and_masks_invisible():
     g = torch.Generator().manual_seed(1)
     t, hi, di, n = 11, 8, 16, 9
