@@ -71,7 +71,9 @@ def test_dense_vs_float64(dtype, t, h, d, n, cfg):
     assert_scores_close(out, ref)
 
 
-def test_error_no_worse_than_unfused_bf16():
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_error_no_worse_than_unfused_bf16(seed):
+    torch.manual_seed(seed)
     t, h, d, n = 16, 8, 64, 200
     q, k, w = inputs(t, h, d, n, torch.bfloat16)
     n_vis = torch.randint(1, n + 1, (t,), device=DEV)
@@ -83,9 +85,11 @@ def test_error_no_worse_than_unfused_bf16():
     e_ours = (ours.double() - ref)[fin].abs().max().item()
     e_naive = (naive.double() - ref)[fin].abs().max().item()
     assert e_ours <= e_naive and e_ours < 1e-4, (e_ours, e_naive)
+    # bf16 scores: within one bf16 ulp of the exact value, elementwise (comparing the max error with the unfused
+    # path's, itself mostly bf16 rounding, failed for about half of the seeds)
     ours16 = indexer_score(q, k, w, torch.zeros_like(n_vis), n_vis, out_dtype=torch.bfloat16)
-    assert ours16.dtype == torch.bfloat16
-    assert (ours16.double() - ref)[fin].abs().max().item() <= e_naive
+    assert ours16.dtype == torch.bfloat16 and torch.equal(ours16.isinf(), ref.isinf())
+    assert ((ours16.double() - ref)[fin].abs() <= ref[fin].abs() * 2**-7 + 1e-5).all()
 
 
 def test_packed_ragged_batch_and_40_two_token_sequences():
@@ -215,6 +219,25 @@ def test_gpu_v41_dense_and_topk():
     idx, scores = indexer_topk(q, k, w, ks, ke, 512)
     assert torch.equal(scores, out)
     assert torch.equal(idx, topk_indices_ref(out, 512, ke))
+
+
+@pytest.mark.gpu
+def test_gpu_v4_dense_and_topk():
+    """V4-Flash's ratio-4 layers: H 64, N 32,768 (512 score blocks of 64 = K chunks, too few to bound the top-512:
+    the top-k takes its own chunk maxima, ``uses_fused_bound``)."""
+    from minidi.ops.indexer_score import default_score_config
+    from minidi.ops.topk import uses_fused_bound
+
+    t, h, d, n = 512, 64, 128, 32768
+    assert not uses_fused_bound(512, n // default_score_config(h, torch.bfloat16)["BN"])
+    q, k, w = inputs(t, h, d, n, torch.bfloat16, "cuda")
+    ks = torch.zeros(t, dtype=torch.long, device="cuda")
+    ke = 31744 + torch.arange(t, device="cuda") * 2 + 1
+    idx, scores = indexer_topk(q, k, w, ks, ke, 512)
+    rows = torch.tensor([0, 1, 255, 511], device="cuda")
+    assert_scores_close(scores[rows], indexer_score_ref(q[rows], k, w[rows], ks[rows], ke[rows],
+                                                        compute_dtype=torch.float64))
+    assert torch.equal(idx, topk_indices_ref(scores, 512, ke))
 
 
 @pytest.mark.gpu

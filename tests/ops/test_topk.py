@@ -82,10 +82,14 @@ def test_fused_bound_from_chunk_maxima():
     scores = torch.randn(t, n, device=DEV)
     scores[2, 400:] = float("-inf")
     scores[3, 100:700] = float("-inf")
-    for ch in (8, 16, 64):  # 100, 50 chunks: bound used; 13 chunks < K: every finite chunk is active
+    # 100, 50, 16 = 2K chunks: the fused bound; 13 chunks < 2K, and 8 = K chunks (every chunk active, the bound
+    # prunes nothing): the top-k computes its own chunk maxima
+    for ch, fused in ((8, True), (16, True), (50, True), (64, False), (100, False)):
         cmax = scores.view(t, n // ch, ch).amax(2) if n % ch == 0 else \
             torch.nn.functional.pad(scores, (0, -n % ch), value=float("-inf")).view(t, -1, ch).amax(2)
-        idx = _launch_topk(scores, k, None, None, cmax, ch, out=poisoned(t, k), **SMALL)
+        info = {}
+        idx = _launch_topk(scores, k, None, None, cmax, ch, out=poisoned(t, k), info=info, **SMALL)
+        assert info["bound"] == ("fused chunk maxima" if fused else "chunk-max kernel"), ch
         check_against_torch(scores, k, idx)
     # with a visible range, the maxima are those of the scores with everything outside it at -inf (as written by the
     # score kernel); the columns outside are not read
@@ -94,6 +98,16 @@ def test_fused_bound_from_chunk_maxima():
     vis = scores.masked_fill((j < k_start[:, None]) | (j >= k_end[:, None]), float("-inf"))
     idx = _launch_topk(scores, k, k_start, k_end, vis.view(t, -1, 16).amax(2), 16, **SMALL)
     check_against_torch(scores, k, idx, k_end, k_start)
+
+
+def test_fused_bound_needs_2k_chunks():
+    """The score kernel's 64-key block maxima bound the top-512 of V4.1's 65,536 keys (1,024 chunks), not of V4's
+    32,768 (512 chunks: all active); more than 8,192 chunks do not fit the kernel's one-vector read."""
+    from minidi.ops.topk import uses_fused_bound
+
+    assert uses_fused_bound(512, 65536 // 64) and uses_fused_bound(512, 131072 // 64)
+    assert not uses_fused_bound(512, 32768 // 64) and not uses_fused_bound(512, 1023)
+    assert not uses_fused_bound(8, 8193)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
