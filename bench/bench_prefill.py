@@ -37,6 +37,7 @@ import minidi  # noqa: E402
 from minidi.model import stages  # noqa: E402
 from minidi.runtime.engine import dynamic_shape_config  # noqa: E402
 from minidi.runtime.flops import mfu, step_flops  # noqa: E402
+from expert_loads import expert_loads, write_report  # noqa: E402
 from prefill_stages import format_stage_table, gpu_busy_ms_per_step, stage_ms_per_step  # noqa: E402
 from prefill_workload import FULL_SIZE, build_model, build_workload  # noqa: E402
 
@@ -70,6 +71,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--no_stage_markers", action="store_true", help="time without the stage markers (no table)")
     ap.add_argument("--no_cuda_graph", action="store_true",
                     help="accepted for the reference command; minidi never captures CUDA graphs for prefill")
+    ap.add_argument("--expert_loads", action="store_true",
+                    help="after the modes, one eager step that records the router's rows per local expert and layer "
+                         "(bench/expert_loads.py; OUT_DIR/<model>_ep<N>_expert_loads.json)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--result_jsonl", default=None)
     ap.add_argument("--out_dir", default=None, help="traces and PNGs (default: next to --result_jsonl, or ./bench_out)")
@@ -321,9 +325,23 @@ def _run(args: argparse.Namespace, world: int, rank: int, modes: list[str], out_
             print(format_stage_table(res["stages_ms"], gpu_busy_ms=res["gpu_busy_ms"], wall_ms=res["ms_per_step"]))
         res["speedup_vs"] = {r["mode"]: round(r["ms_per_step"] / res["ms_per_step"], 3) for r in results[:-1]}
         _write_line(res, args)
+    if args.expert_loads:
+        _report_expert_loads(wl, args, world, out_dir)
     if world > 1:
         torch.distributed.destroy_process_group()
     return results
+
+
+def _report_expert_loads(wl, args, world: int, out_dir: Path) -> None:
+    """One eager step with hooks on the gates (not timed): rows per local expert, per layer (bench/expert_loads.py)."""
+    step = make_step(wl.model, "eager", args)
+    try:
+        report = expert_loads(wl.model, lambda: step(wl.meta, wl.cache.tensors), args.emulate_ep if world == 1 else 1)
+    except torch.OutOfMemoryError as e:
+        print(f"\nexpert loads: not measured ({type(e).__name__})")
+        return
+    cfg = wl.model.cfg
+    print("\n" + write_report(report, out_dir / f"{cfg.name}_ep{cfg.ep_size}_expert_loads.json"))
 
 
 if __name__ == "__main__":

@@ -159,3 +159,43 @@ def test_out_of_memory_is_recorded_and_the_next_mode_runs(tmp_path, monkeypatch)
     assert set(FIELDS) <= set(failed)
     assert ran["ms_per_step"] > 0 and "error" not in ran
     assert [r["mode"] for r in results] == ["compile"]
+
+
+def test_expert_load_stats_by_hand():
+    from bench.expert_loads import layer_stats
+
+    st = layer_stats(torch.tensor([256, 0, 300, 20]))
+    assert (st["rows"], st["mean"], st["max"], st["min"]) == (576, 144.0, 300, 0)
+    assert st["max_over_mean"] == round(300 / 144, 3)
+    assert st["tile_fill_bm256"] == round(576 / (256 * 4), 3)  # 1 + 0 + 2 + 1 tiles
+    assert st["tile_fill_bm64"] == round(576 / (64 * (4 + 0 + 5 + 1)), 3)
+    assert layer_stats(torch.zeros(3, dtype=torch.long))["max_over_mean"] is None
+
+
+def test_expert_loads_report(tmp_path):
+    """--expert_loads: every MoE layer's local rows, N x this rank's count under emulated EP N; the counts the hooks
+    read cover every token-slot (T x k per layer)."""
+    from bench.expert_loads import collect_counts
+
+    run(tmp_path, "--modes", "eager", "--profile_steps", "0", "--emulate-ep", "2", "--expert_loads")
+    report = json.loads((tmp_path / "tiny-v41_ep2_expert_loads.json").read_text())
+    model = build_model("tiny-v41", "cpu", "bfloat16", 2, "auto", None, 0, [])
+    cfg = model.cfg
+    assert report["emulated_ep"] == 2 and report["local_experts"] == cfg.n_local_experts
+    assert sorted(map(int, report["layers"])) == list(range(cfg.n_layers))
+    assert all(v["rows"] % 2 == 0 and v["rows"] <= 2 * 16 * cfg.n_activated_experts
+               for v in report["layers"].values())
+    assert set(report["median_over_layers"]) == {"max_over_mean", "cv", "tile_fill_bm256", "tile_fill_bm64"}
+    wl = build_workload(model, 16, 64, 1, 0, [])
+    counts = collect_counts(model, lambda: model.step(wl.meta, wl.cache.tensors))
+    assert sorted(counts) == list(range(cfg.n_layers))
+    assert all(int(c.sum()) == 16 * cfg.n_activated_experts for c in counts.values())
+    # the report of a first step of a same-seed model: 2 x the local experts' counts above
+    from bench.expert_loads import expert_loads
+
+    twin = build_model("tiny-v41", "cpu", "bfloat16", 2, "auto", None, 0, [])
+    wl2 = build_workload(twin, 16, 64, 1, 0, [])
+    first_step = expert_loads(twin, lambda: twin.step(wl2.meta, wl2.cache.tensors), emulated_ep=2)
+    first, n_local = cfg.first_local_expert, cfg.n_local_experts
+    assert all(first_step["layers"][i]["rows"] == 2 * int(c[first:first + n_local].sum()) for i, c in counts.items())
+    assert all(first_step["layers"][i]["max"] == 2 * int(c[first:first + n_local].max()) for i, c in counts.items())
