@@ -1,0 +1,194 @@
+"""MoE expert activation on the local rows only: clipped SwiGLU x routing weight -> activation dtype -> fq8.
+
+The model computes, over all R dispatched rows (``minidi.model.moe.RoutedExperts.forward``)::
+
+    g, v = g.float().clamp(max=L), v.float().clamp(-L, L)      # [R, I] from the w1 / w3 grouped GEMMs
+    a = (silu(g) * v * ws).to(dtype)                            # ws [R, 1] fp32: each row's routing weight
+    a = fq8(a, block)                                           # with fake quant: e4m3 per ``block`` channels
+
+but only the rows below offs[-1] (this rank's experts) are ever read again: the w2 grouped GEMM skips the others and
+the combine masks them. At emulated EP4 that is a quarter of the rows. ``moe_activation(g, v, ws, offs, ...)``
+computes those rows and leaves the rest unwritten (as ``fp4_grouped_mm`` does).
+
+**Not wired into a pass yet.** Pass target for a later rewrite; until then an op with its reference and tests.
+
+Kernel: one program per [BR rows, BLOCK channels] tile (BLOCK = the fq8 block). A program whose rows all lie past
+offs[-1] (read on the device, no host sync) returns at once. In the tile:
+- SwiGLU in fp32;
+- one rounding to the output dtype;
+- the block's amax;
+- the power-of-two scale 2^ceil(log2(max(amax, 1e-4) / 448)), with a correctly rounded division and exact bit
+  arithmetic;
+- e4m3 round-to-nearest-even by adding and subtracting 2^(e + 20). e is the value's binade, at least -6 (the
+  subnormal step 2^-9), so the step is 2^(e-3). This gives the same grid as torch's cast to float8_e4m3fn after the
+  clamp to +-448, on any hardware.
+
+A NaN input stays NaN: the rest of its block is scaled by the block's finite amax. torch's fq8 turns the whole block
+into garbage there.
+
+SiLU uses ``exp``, whose last fp32 bit may differ from torch's. After rounding to bf16 that changes a value only in
+rare cases, and then the e4m3 pick moves by at most one step. Tests bound this.
+
+Bytes at V4.1-Flash EP4 (R 98,304 rows, 1/4 local, I 2,304, bf16):
+- reads: g and v of the local rows, 2 x 24,576 x 2,304 x 2 = 226 MB;
+- writes: 113 MB;
+- the whole-R Inductor chain moves about 4x that.
+
+Legend: R rows (sorted by expert), I expert width, E local experts, BR rows per program.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from ._triton_utils import check_backend, triton_can_run
+
+E4M3_MAX = 448.0
+AMAX_FLOOR = 1e-4
+OUT_DTYPES = (torch.bfloat16, torch.float32)
+
+
+# ---- reference -----------------------------------------------------------------------------------------------------
+def moe_activation_ref(g: torch.Tensor, v: torch.Tensor, ws: torch.Tensor, offs: torch.Tensor, limit: float,
+                       block: int | None) -> torch.Tensor:
+    """Plain torch on every row (rows past offs[-1] come out computed, not garbage): the same ops as the model's
+    ``swiglu_clipped`` and ``quant.fq8`` (a test holds the two equal)."""
+    a = (F.silu(g.float().clamp(max=limit)) * v.float().clamp(-limit, limit) * ws).to(g.dtype)
+    if not block:
+        return a
+    blocks = a.float().unflatten(-1, (a.shape[-1] // block, block))
+    y = blocks.abs().amax(-1, keepdim=True).clamp_min(AMAX_FLOOR) / E4M3_MAX
+    bits = y.view(torch.int32)  # 2^ceil(log2(y)), exact
+    s = ((((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(torch.int32)) << 23).view(torch.float32)
+    q = (blocks / s).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).float() * s
+    return q.flatten(-2).to(g.dtype)
+
+
+# ---- kernel --------------------------------------------------------------------------------------------------------
+@triton.jit
+def _pow2_ceil(y):
+    """2^ceil(log2(y)) for positive normal fp32 y, exact (quant._pow2_ceil)."""
+    bits = y.to(tl.int32, bitcast=True)
+    e = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+    return (e << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _round_bf16(x):
+    """fp32 -> the nearest bf16 value (ties to even), as fp32; by bit arithmetic, because the interpreter's cast
+    truncates. NaN stays NaN."""
+    bits = x.to(tl.int32, bitcast=True)
+    r = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+    return tl.where(x != x, x, r)
+
+
+@triton.jit
+def _round_e4m3(y):
+    """|y| <= 448 fp32 -> the nearest e4m3 value (ties to even), exact."""
+    a = tl.abs(y)
+    e = ((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127  # binade of |y| (-127 for 0 and fp32 subnormals)
+    e = tl.maximum(e, -6)  # e4m3's subnormal step 2^-9 below 2^-6
+    c = ((e + 20 + 127) << 23).to(tl.float32, bitcast=True)  # 2^(e+20): its fp32 ulp is the e4m3 step 2^(e-3)
+    q = (a + c) - c
+    return tl.where(y < 0, -q, q)
+
+
+@triton.jit
+def _moe_activation_kernel(
+        g_ptr, v_ptr, w_ptr, offs_ptr, out_ptr,
+        R, I, E, stride_g, stride_v, stride_w, stride_o, limit,
+        BR: tl.constexpr, BLOCK: tl.constexpr, QUANT: tl.constexpr, ROUND_BF16: tl.constexpr):
+    n_rows = tl.minimum(tl.maximum(tl.load(offs_ptr + E - 1), 0), R)  # rows below offs[-1]: this rank's experts
+    r0 = tl.program_id(0) * BR
+    if r0 < n_rows:
+        rows = r0 + tl.arange(0, BR)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        rm = rows < n_rows
+        m = rm[:, None] & (cols < I)[None, :]
+        r64 = rows.to(tl.int64)[:, None]
+        g = tl.load(g_ptr + r64 * stride_g + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + r64 * stride_v + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + rows.to(tl.int64) * stride_w, mask=rm, other=0.0).to(tl.float32)
+        g = tl.minimum(g, limit, propagate_nan=tl.PropagateNan.ALL)
+        v = tl.minimum(tl.maximum(v, -limit, propagate_nan=tl.PropagateNan.ALL), limit,
+                       propagate_nan=tl.PropagateNan.ALL)
+        h = g / (1.0 + tl.exp(-g)) * v * w[:, None]  # silu(g) * v * weight, fp32
+        if ROUND_BF16:
+            h = _round_bf16(h)  # the model's .to(dtype)
+        if QUANT:
+            amax = tl.max(tl.where(m & (h == h), tl.abs(h), 0.0), axis=1)  # [BR], over the finite values
+            s = _pow2_ceil(tl.math.div_rn(tl.maximum(amax, AMAX_FLOOR), E4M3_MAX))  # [BR] power of two
+            y = tl.math.div_rn(h, s[:, None])  # exact: s is a power of two
+            y = tl.minimum(tl.maximum(y, -E4M3_MAX), E4M3_MAX)
+            h = tl.where(h != h, h, _round_e4m3(y) * s[:, None])  # a NaN input stays NaN
+        tl.store(out_ptr + r64 * stride_o + cols[None, :], h.to(out_ptr.dtype.element_ty), mask=m)
+
+
+def _check(g, v, ws, offs, block) -> None:
+    def fail(what: str) -> None:
+        raise ValueError(f"moe_activation: {what}")
+
+    if g.dim() != 2 or g.dtype not in OUT_DTYPES:
+        fail(f"g must be [R, I] bf16/fp32, got {tuple(g.shape)} {g.dtype}")
+    if v.shape != g.shape or v.dtype != g.dtype:
+        fail(f"v must match g {tuple(g.shape)} {g.dtype}, got {tuple(v.shape)} {v.dtype}")
+    r, i = g.shape
+    if ws.dtype != torch.float32 or ws.numel() != r or not (ws.dim() == 1 or ws.shape == (r, 1)):
+        fail(f"ws must be [R] or [R, 1] float32 with R = {r}, got {tuple(ws.shape)} {ws.dtype}")
+    if offs.dim() != 1 or offs.dtype != torch.int32 or offs.numel() == 0:
+        fail(f"offs must be [E] int32 with E >= 1 (cumulative row ends), got {tuple(offs.shape)} {offs.dtype}")
+    if block is not None and (block <= 0 or i % block or block & (block - 1)):
+        fail(f"block must be a power of two dividing I = {i}, got {block}")
+    devs = {t.device for t in (g, v, ws, offs)}
+    if len(devs) != 1:
+        fail(f"g, v, ws and offs must be on one device, got {sorted(map(str, devs))}")
+
+
+@torch.library.custom_op("minidi::moe_activation", mutates_args=())
+def _moe_activation_op(g: torch.Tensor, v: torch.Tensor, ws: torch.Tensor, offs: torch.Tensor, limit: float,
+                       block: int) -> torch.Tensor:
+    """block 0: no fake quant."""
+    if not triton_can_run(g, v, ws, offs):
+        raise RuntimeError(f"minidi::moe_activation: Triton needs CUDA tensors, or CPU tensors with "
+                           f"TRITON_INTERPRET=1 (got {g.device}); use backend='ref'")
+    g, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (g, v))
+    out = torch.empty_like(g)
+    launch(g, v, ws, offs, limit, block, out)
+    return out
+
+
+def launch(g: torch.Tensor, v: torch.Tensor, ws: torch.Tensor, offs: torch.Tensor, limit: float, block: int,
+           out: torch.Tensor) -> None:
+    """Checked tensors with unit column strides (``block`` 0: no fake quant). Writes the rows of ``out`` below
+    offs[-1] only (tests pass a poisoned ``out``)."""
+    r, i = g.shape
+    if r == 0 or i == 0:
+        return
+    ws = ws.reshape(-1)
+    width = block if block else min(128, triton.next_power_of_2(i))
+    br = 16 if g.is_cuda else 8
+    grid = (triton.cdiv(r, br), triton.cdiv(i, width))
+    _moe_activation_kernel[grid](
+        g, v, ws, offs, out, r, i, offs.numel(), g.stride(0), v.stride(0), ws.stride(0), out.stride(0), float(limit),
+        BR=br, BLOCK=width, QUANT=bool(block), ROUND_BF16=g.dtype == torch.bfloat16, num_warps=4)
+
+
+@_moe_activation_op.register_fake
+def _(g, v, ws, offs, limit, block):
+    return torch.empty_like(g)
+
+
+def moe_activation(g: torch.Tensor, v: torch.Tensor, ws: torch.Tensor, offs: torch.Tensor, limit: float,
+                   block: int | None, backend: str = "triton") -> torch.Tensor:
+    """a [R, I] in g's dtype: ``fq8((silu(min(g, L)) * clamp(v, -L, L) * ws).to(dtype), block)`` (no fq8 when
+    ``block`` is None) for the rows below offs[-1]; the rows past it are not written (garbage), as with the grouped
+    GEMMs around it. g, v [R, I] bf16 | fp32; ws [R] or [R, 1] fp32; offs [E] int32 cumulative row ends.
+    ``backend``: "triton" or "ref" (plain torch, every row computed)."""
+    check_backend(backend)
+    _check(g, v, ws, offs, block)
+    if backend == "ref":
+        return moe_activation_ref(g, v, ws.reshape(-1, 1), offs, limit, block)
+    return _moe_activation_op(g, v, ws, offs, float(limit), int(block or 0))
