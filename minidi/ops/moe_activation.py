@@ -10,7 +10,7 @@ but only the rows below offs[-1] (this rank's experts) are ever read again: the 
 the combine masks them. At emulated EP4 that is a quarter of the rows. ``moe_activation(g, v, ws, offs, ...)``
 computes those rows and leaves the rest unwritten (as ``fp4_grouped_mm`` does).
 
-**Not wired into a pass yet.** Pass target for a later rewrite; until then an op with its reference and tests.
+Inserted by pass H (``minidi/passes/rewrite_moe_activation.py``), opt-in until checked on the GPU.
 
 Kernel: one program per [BR rows, BLOCK channels] tile (BLOCK = the fq8 block). A program whose rows all lie past
 offs[-1] (read on the device, no host sync) returns at once. In the tile:

@@ -44,6 +44,7 @@ class Rewrite:
 
     key: ClassVar[str]  # one letter: A, B, ...
     name: ClassVar[str]
+    in_all: ClassVar[bool] = True  # part of passes="all" (False: opt-in, named on its own)
 
     def __init__(self, op_backend: str = "triton") -> None:
         self.op_backend = op_backend

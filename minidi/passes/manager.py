@@ -37,6 +37,7 @@ from .rewrite_gate import GateTF32x3
 from .rewrite_hc_expand import HCExpand
 from .rewrite_hc_mix import HCMixTF32x3
 from .rewrite_indexer import IndexerTopK
+from .rewrite_moe_activation import MoEActivation
 from .rewrite_moe_combine import MoECombine
 from .rewrite_sparse_attention import SparseAttention
 
@@ -48,7 +49,7 @@ except ImportError:  # pragma: no cover
 log = logging.getLogger("minidi.passes")
 
 REWRITES: tuple[type[Rewrite], ...] = (MoECombine, GateTF32x3, FP4GroupedMM, SparseAttention, IndexerTopK,
-                                        HCMixTF32x3, HCExpand)
+                                        HCMixTF32x3, HCExpand, MoEActivation)
 BY_KEY: dict[str, type[Rewrite]] = {r.key: r for r in REWRITES}
 BY_NAME: dict[str, type[Rewrite]] = {r.name: r for r in REWRITES}
 GEMMS_PER_MOE = 3  # w1, w3, w2: pass D matches each expert GEMM
@@ -59,14 +60,15 @@ class PassMatchError(RuntimeError):
     """strict mode: a pass matched a different number of sites than the model has."""
 
 
-def expected_sites(cfg: ModelConfig, regional: bool = False) -> dict[str, list[int | None]]:
+def expected_sites(cfg: ModelConfig, regional: bool = False, opt_in: bool = False) -> dict[str, list[int | None]]:
     """Layer of every site each pass must match in one model step, from the config.
 
     A: every layer (window-only layers too); B: every index-source layer (V4.1: owners and re-index layers; V4:
     the ratio-4 layers); C, E: every layer (one MoE each, hash-routed layers still compute the gate logits);
     D: every layer, three times (w1, w3, w2); F: every layer twice (the attention and FFN mHC mixers), plus V4's
     head (``hc_head``, outside the layers: site None) unless ``regional`` (only the layers are compiled then);
-    G: every layer twice (the stream update after attention and after the MoE)."""
+    G: every layer twice (the stream update after attention and after the MoE); with ``opt_in``, the opt-in passes
+    too: H, every layer (the MoE's expert activation; in fp32 models only after D)."""
     layers = list(range(cfg.n_layers))
     head: list[int | None] = [] if (cfg.is_v41 or regional) else [None]
     return {
@@ -77,23 +79,25 @@ def expected_sites(cfg: ModelConfig, regional: bool = False) -> dict[str, list[i
         "E": layers,
         "F": [i for i in layers for _ in range(HC_SITES_PER_LAYER)] + head,
         "G": [i for i in layers for _ in range(HC_SITES_PER_LAYER)],
+        **({"H": layers} if opt_in else {}),
     }
 
 
 def select(passes: str | Iterable[str] | None) -> list[str]:
-    """"all" | "none" | "A,B" | ["A", "moe_combine"] -> pass keys in manager order."""
+    """"all" | "none" | "A,B" | "all,H" | ["A", "moe_combine"] -> pass keys in manager order. "all" is every pass
+    but the opt-in ones (``in_all = False``: H), which are named on their own."""
     if passes is None:
         return []
     if isinstance(passes, str):
-        if passes.strip().lower() == "all":
-            return [r.key for r in REWRITES]
         if passes.strip().lower() in ("none", ""):
             return []
         passes = [p for p in passes.split(",")]
     keys = set()
     for p in passes:
         p = p.strip()
-        if p.upper() in BY_KEY:
+        if p.lower() == "all":
+            keys.update(r.key for r in REWRITES if r.in_all)
+        elif p.upper() in BY_KEY:
             keys.add(p.upper())
         elif p in BY_NAME:
             keys.add(BY_NAME[p].key)
@@ -271,7 +275,7 @@ def compile(  # noqa: A001 (minidi.compile mirrors torch.compile)
         owner = getattr(model_or_step, "__self__", model_or_step)
     cfg = getattr(owner, "cfg", None)
     if expected is None and isinstance(cfg, ModelConfig):
-        expected = expected_sites(cfg, regional=regional)
+        expected = expected_sites(cfg, regional=regional, opt_in=True)
     manager = PassManager(passes, strict=strict, expected=expected, op_backend=op_backend, keep_graphs=keep_graphs)
     if regional:
         return _compile_regional(owner, manager, backend, fullgraph=fullgraph, dynamic=dynamic, **compile_kwargs)

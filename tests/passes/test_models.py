@@ -37,7 +37,7 @@ def compiled(request):
     torch._dynamo.reset()
     counters.clear()
     model = minidi.load_model(request.param, dtype="float32", fake_quant=False)
-    engine = Engine(model, compile=True, passes="all",
+    engine = Engine(model, compile=True, passes="all,H",  # every pass, the opt-in H too
                     compile_kwargs={"backend": "aot_eager", "strict": True, "keep_graphs": True}, **KW)
     out = engine.prefill(requests())
     ref = Engine(model, **KW).prefill(requests())
@@ -46,14 +46,14 @@ def compiled(request):
 
 
 def test_every_site_matched(compiled):
-    want = expected_sites(compiled.cfg)
+    want = expected_sites(compiled.cfg, opt_in=True)
     assert compiled.manager.counts == {k: len(v) for k, v in want.items()}
     for key, layers in want.items():
         assert Counter(compiled.manager.sites[key]) == Counter(layers), key
     if compiled.name == "tiny-v41":
-        assert compiled.manager.counts == {"C": 10, "E": 10, "D": 30, "A": 10, "B": 4, "F": 20, "G": 20}
+        assert compiled.manager.counts == {"C": 10, "E": 10, "D": 30, "A": 10, "B": 4, "F": 20, "G": 20, "H": 10}
     else:  # F: two mixers per layer + V4's hc_head
-        assert compiled.manager.counts == {"C": 4, "E": 4, "D": 12, "A": 4, "B": 2, "F": 9, "G": 8}
+        assert compiled.manager.counts == {"C": 4, "E": 4, "D": 12, "A": 4, "B": 2, "F": 9, "G": 8, "H": 4}
 
 
 def test_logits_equal_uncompiled(compiled):
@@ -71,7 +71,7 @@ def test_naive_ops_gone(compiled):
     _, after = compiled.manager.graphs[-1]
     calls = Counter(f"{n.target.__module__}.{n.target.__name__}" for n in after.graph.nodes
                     if n.op == "call_function" and getattr(n.target, "__module__", "").startswith("minidi.ops"))
-    want = {k: len(v) for k, v in expected_sites(compiled.cfg).items()}
+    want = {k: len(v) for k, v in expected_sites(compiled.cfg, opt_in=True).items()}
     assert calls == {
         "minidi.ops.sparse_attention.sparse_attention": want["A"],
         "minidi.ops.indexer_score.indexer_topk": want["B"],
@@ -79,6 +79,7 @@ def test_naive_ops_gone(compiled):
         "minidi.ops.fp4_grouped_gemm.fp4_grouped_mm": want["D"],
         "minidi.ops.gate_tf32x3.gate_tf32x3": want["E"] + want["F"],  # the router and the mHC projections
         "minidi.ops.hc_streams.hc_stream_mix": want["G"],
+        "minidi.ops.moe_activation.moe_activation": want["H"],
     }
     einsums = [n.args[0] for n in after.graph.nodes if n.op == "call_function" and "einsum" in str(n.target)]
     assert not {"thd,tkd->thk", "thk,tkd->thd", "thd,nd->thn", "rk,enk->ren"} & set(einsums)
@@ -102,6 +103,7 @@ gate_tf32x3
 gate_tf32x3
 fp4_grouped_mm
 fp4_grouped_mm
+moe_activation
 fp4_grouped_mm
 moe_combine
 hc_stream_mix""")
@@ -109,7 +111,7 @@ hc_stream_mix""")
 
 def _rerun(compiled, passes: str, strict: bool) -> PassManager:
     before, _ = compiled.manager.graphs[-1]
-    manager = PassManager(passes, strict=strict, expected=expected_sites(compiled.cfg))
+    manager = PassManager(passes, strict=strict, expected=expected_sites(compiled.cfg, opt_in=True))
     manager.run(copy.deepcopy(before))
     return manager
 

@@ -446,3 +446,55 @@ def test_pass_selection_and_uuid():
     assert PassManager("all").uuid() == PassManager("all").uuid()
     assert PassManager("all").uuid() != PassManager("A,B").uuid()
     assert minidi.compile is minidi.passes.compile
+
+
+# ---- H: MoE expert activation on the local rows (opt-in) --------------------------------------------------------
+def activation_inputs(g):
+    e, i, d, r = 3, 64, 64, 9
+    w13, s13 = quantize_fp4(torch.randn(e, i, d, generator=g))
+    w2, s2 = quantize_fp4(torch.randn(e, d, i, generator=g))
+    x = torch.randn(r, d, generator=g)
+    offs = torch.tensor([2, 2, 7], dtype=torch.int32)  # expert 1 gets no rows; rows 7, 8: other ranks' experts
+    ws = torch.rand(r, 1, generator=g)
+    return x, w13, s13.view(torch.uint8), w2, s2.view(torch.uint8), offs, ws
+
+
+def activation_chain(x, w13, s13, w2, s2, offs, ws, form="direct"):
+    """The routed experts' middle, as the model writes it: w1 / w3 GEMMs (one stack stands in for both), clipped
+    SwiGLU x weight, fq8 (blocks of 32), w2 GEMM. ``form``: "direct" (the model's), "slice" (the w2 GEMM reads a
+    view of the activation), "leak" (a second user reads every row, garbage rows included)."""
+    from minidi.model.moe import swiglu_clipped
+    from minidi.model.quant import fq8
+
+    a = (swiglu_clipped(experts(x, w13, s13, offs), experts(x, w13, s13, offs), 10.0) * ws).to(x.dtype)
+    a = fq8(a, 32)
+    if form == "slice":
+        return experts(a[:, :32].repeat(1, 2), w2, s2, offs)
+    y = experts(a, w2, s2, offs)
+    return y + a.sum() if form == "leak" else y
+
+
+def test_moe_activation_rewrite_after_d_and_its_refusals():
+    """fp32 after pass D: H takes the chain, and the rows below offs[-1] equal the naive ones (exp's last bit aside).
+    It refuses when the activation does not go straight into a grouped GEMM with the same offs."""
+    from minidi.ops.moe_activation import moe_activation
+
+    args = activation_inputs(torch.Generator().manual_seed(3))
+    out, mgr, _, after = run(Fn(activation_chain), args, "D,H", None)
+    assert mgr.counts == {"D": 3, "H": 1}
+    calls = [n.target for n in after.graph.nodes if n.op == "call_function"]
+    assert moe_activation in calls and torch.nn.functional.silu not in calls
+    n = int(args[5][-1])
+    torch.testing.assert_close(out[:n], activation_chain(*args)[:n], rtol=1e-5, atol=1e-5)
+    for form in ("slice", "leak"):
+        _, mgr, _, _ = run(Fn(activation_chain, form=form), args, "D,H", None)
+        assert mgr.counts.get("H", 0) == 0, form
+
+
+def test_select_all_leaves_out_the_opt_in_passes():
+    from minidi.passes import select
+
+    assert "H" not in select("all") and select("all,H") == select("all") + ["H"]
+    assert select("H") == ["H"] and select(["moe_activation"]) == ["H"]
+    with pytest.raises(ValueError, match="unknown pass"):
+        select("all,Z")
