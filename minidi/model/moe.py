@@ -8,6 +8,8 @@ Legend: T tokens, k experts per token, E experts, I expert width, D model width,
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -75,8 +77,10 @@ values of the naive decode stay under this many bytes: at EP1 (384 experts of 2,
 
 def dequant_expert_stack(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """**Pass target D** (FP4 expert dequant): packed e2m1 [E, out, in/2] + E8M0 [E, out, in/32] -> [E, out, in]."""
-    per_expert = packed[0].numel() * 2 * 12  # decoded values per expert x (8 B int64 code + 4 B fp32 value)
-    if torch.compiler.is_compiling() or packed.shape[0] * per_expert <= EAGER_DEQUANT_BYTES:
+    if torch.compiler.is_compiling():
+        return dequant_fp4(packed, scale, dtype)
+    per_expert = math.prod(packed.shape[1:]) * 2 * 12  # decoded values per expert x (8 B int64 code + 4 B fp32)
+    if packed.shape[0] * per_expert <= EAGER_DEQUANT_BYTES:
         return dequant_fp4(packed, scale, dtype)
     step = max(1, EAGER_DEQUANT_BYTES // per_expert)  # eager, large stacks: same values, bounded temporaries
     out = torch.empty(*packed.shape[:-1], packed.shape[-1] * 2, dtype=dtype, device=packed.device)

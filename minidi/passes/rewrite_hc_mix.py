@@ -29,6 +29,7 @@ from .base import Match, Rewrite
 from .fx_utils import dtype, val
 from .rewrite_gate import feeds_softplus, fp32_gemm
 
+
 class HCMixTF32x3(Rewrite):
     key = "F"
     name = "hc_mix_tf32x3"
