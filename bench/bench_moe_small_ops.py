@@ -1,4 +1,5 @@
-"""Benchmark of the three small MoE ops at V4.1-Flash shapes (one H200): combine (C), FP4 dequant (D), router GEMM (E).
+"""Benchmark of the small MoE ops at V4.1-Flash shapes (one H200): combine (C), FP4 dequant (D), router GEMM (E),
+expert activation (H) and dispatch gather (I).
 
 For each op: the plain path eager and under stock ``torch.compile`` (no minidi passes), then minidi's op at its default
 config and a small sweep of tile configs (so one run tells what to change). Correctness of the op vs the plain path is
@@ -11,6 +12,9 @@ measured in the same run.
      bf16 written.
   E  router: x [4,096, 5,120] (bf16 or fp32) @ weight [384, 5,120] bf16 -> fp32. FLOPs = 2 T D E (counted once);
      error = max|out - ref64| / max|ref64|; top6 = rows whose top-6 of sqrt(softplus) + bias equals float64's.
+  H  activation: g, v [R 98,304, I 2,304] bf16 (EP4: 96 experts x 256 local rows, the rest other ranks') -> clipped
+     SwiGLU x weight -> bf16 -> fq8. Bytes = the local rows' g, v read + a written (the op's minimum).
+  I  gather: x [16,384, 5,120] bf16 -> x[idx] [98,304, 5,120], a quarter local. Bytes = local rows read + written.
 
 Usage: python bench/bench_moe_small_ops.py [--only C,D,E] [--out PATH]; --smoke runs tiny shapes (CPU interpreter ok).
 Prints a card, a table per op, and as the LAST line one JSON object.
@@ -26,10 +30,13 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from minidi.model.moe import dequant_expert_stack, gate_logits_fp32, moe_combine_naive
+from minidi.model.moe import dequant_expert_stack, gate_logits_fp32, moe_combine_naive, swiglu_clipped
+from minidi.model.quant import fq8
 from minidi.ops import fp4_dequant as d_op
 from minidi.ops import gate_tf32x3 as e_op
+from minidi.ops import moe_activation as h_op
 from minidi.ops import moe_combine as c_op
+from minidi.ops import moe_gather as i_op
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 FAILURES: list[str] = []  # accuracy failures, reported after all tables (one run shows every number)
@@ -282,9 +289,73 @@ def bench_gate(pk: dict, smoke: bool) -> list:
     return table
 
 
+# ---- H: expert activation, I: dispatch gather (EP4: a quarter of the rows local) ----------------------------------
+def _ep4_offs(r: int, experts: int) -> torch.Tensor:
+    return torch.full((experts,), r // 4 // experts, dtype=torch.int64, device=DEV).cumsum(0).to(torch.int32)
+
+
+def bench_activation(pk: dict, smoke: bool) -> list:
+    r, i, experts, limit, block = (256, 256, 4, 10.0, 128) if smoke else (98304, 2304, 96, 10.0, 128)
+    torch.manual_seed(0)
+    g = torch.randn(r, i, device=DEV, dtype=torch.bfloat16) * 4
+    v = torch.randn(r, i, device=DEV, dtype=torch.bfloat16) * 4
+    ws = torch.rand(r, 1, device=DEV)
+    offs = _ep4_offs(r, experts)
+    n = int(offs[-1])
+
+    def naive(g, v, ws):
+        return fq8((swiglu_clipped(g, v, limit) * ws).to(g.dtype), block)
+
+    naive_c = torch.compile(naive, dynamic=False)
+    out = h_op.moe_activation(g, v, ws, offs, limit, block)
+    ref = naive(g, v, ws)
+    diff = out[:n].float() != ref[:n].float()
+    share = diff.float().mean().item()
+    within = bool(((out[:n].float() - ref[:n].float()).abs() <= h_op.grid_step(ref[:n], block)).all())
+    if share > 1e-4 or not within:
+        FAILURES.append(f"moe_activation: {share:.2e} of the local elements differ (within one e4m3 step: {within})")
+    nbytes = n * i * 2 * 3
+    table, base = [], {}
+    base["eager"] = timed(lambda: naive(g, v, ws), smoke)
+    row(table, "naive eager (all rows)", base["eager"], nbytes, "GB/s", pk["copy_gbs"], {})
+    naive_c(g, v, ws)
+    base["compile"] = timed(lambda: naive_c(g, v, ws), smoke)
+    row(table, "naive torch.compile (all rows)", base["compile"], nbytes, "GB/s", pk["copy_gbs"], {})
+    ms = timed(lambda: h_op.moe_activation(g, v, ws, offs, limit, block), smoke)
+    row(table, "minidi op (local rows)", ms, nbytes, "GB/s", pk["copy_gbs"], base, differ_share=share,
+        within_one_e4m3_step=within)
+    print_table("H moe_activation (bytes: local rows' g, v read + a written)", table)
+    return table
+
+
+def bench_gather(pk: dict, smoke: bool) -> list:
+    t, d, experts = (64, 320, 4) if smoke else (16384, 5120, 96)
+    r = t * 6
+    torch.manual_seed(0)
+    x = torch.randn(t, d, device=DEV, dtype=torch.bfloat16)
+    idx = torch.randint(0, t, (r,), device=DEV)
+    offs = _ep4_offs(r, experts)
+    n = int(offs[-1])
+    out = i_op.gather_rows(x, idx, offs)
+    if not torch.equal(out[:n], x[idx[:n]]):
+        FAILURES.append("gather_rows: local rows differ from x[idx]")
+    naive_c = torch.compile(lambda x, idx: x[idx], dynamic=False)
+    nbytes = n * d * 2 * 2
+    table, base = [], {}
+    base["eager"] = timed(lambda: x[idx], smoke)
+    row(table, "x[idx] eager (all rows)", base["eager"], nbytes, "GB/s", pk["copy_gbs"], {})
+    naive_c(x, idx)
+    base["compile"] = timed(lambda: naive_c(x, idx), smoke)
+    row(table, "x[idx] torch.compile (all rows)", base["compile"], nbytes, "GB/s", pk["copy_gbs"], {})
+    ms = timed(lambda: i_op.gather_rows(x, idx, offs), smoke)
+    row(table, "minidi gather_rows (local rows)", ms, nbytes, "GB/s", pk["copy_gbs"], base)
+    print_table("I gather_rows (bytes: local rows read + written)", table)
+    return table
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--only", default="C,D,E")
+    ap.add_argument("--only", default="C,D,E,H,I")
     ap.add_argument("--out", default=None)
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, one timed run each (CPU interpreter ok)")
     args = ap.parse_args(argv)
@@ -295,7 +366,8 @@ def main(argv: list[str] | None = None) -> dict:
           f"peaks: bf16 {pk['bf16_tflops']:.0f} TFLOP/s, copy {pk['copy_gbs']:.0f} GB/s (read + write)")
     result = {"bench": "moe_small_ops", "device": dev, "torch": torch.__version__, "triton": triton.__version__,
               "peaks": {k: round(v, 1) for k, v in pk.items()}}
-    parts = {"C": ("moe_combine", bench_combine), "D": ("fp4_dequant", bench_dequant), "E": ("gate_tf32x3", bench_gate)}
+    parts = {"C": ("moe_combine", bench_combine), "D": ("fp4_dequant", bench_dequant), "E": ("gate_tf32x3", bench_gate),
+             "H": ("moe_activation", bench_activation), "I": ("gather_rows", bench_gather)}
     with torch.inference_mode():
         for key in args.only.split(","):
             name, fn = parts[key.strip()]

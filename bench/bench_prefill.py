@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling bench module
 
 import minidi  # noqa: E402
 from minidi.model import stages  # noqa: E402
+from minidi.ops.fp4_grouped_gemm_configs import ptxas_version, rs_wgmma_safe  # noqa: E402
 from minidi.runtime.engine import dynamic_shape_config  # noqa: E402
 from minidi.runtime.flops import mfu, step_flops  # noqa: E402
 from expert_loads import expert_loads, write_report  # noqa: E402
@@ -227,7 +228,8 @@ def _what_ran(mode: str, wl, args, card: dict) -> dict:
         "model": cfg.name, "arch": cfg.arch, "mode": mode, "passes": args.passes if mode == "passes" else "none",
         "ep": cfg.ep_size, "new_tokens": wl.new_tokens, "cached_tokens": wl.cached_tokens, "seqs": wl.seqs,
         "steps": args.steps,
-        **{k: card[k] for k in ("device", "dtype", "torch", "peaks", "shared_experts", "engram_table_rows")},
+        **{k: card[k] for k in ("device", "dtype", "torch", "peaks", "shared_experts", "engram_table_rows", "ptxas",
+                                  "fp4_swap_tiles")},
     }
 
 
@@ -295,6 +297,7 @@ def _run(args: argparse.Namespace, world: int, rank: int, modes: list[str], out_
         "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else (platform.processor() or "cpu"),
         "dtype": cfg.dtype, "torch": torch.__version__, "peaks": measure_peaks(args.device, cfg.torch_dtype),
         "shared_experts": any("shared by all" in n for n in notes), "engram_table_rows": cfg.engram_table_rows,
+        "ptxas": ".".join(map(str, ptxas_version() or ())) or None, "fp4_swap_tiles": rs_wgmma_safe(),
     }
     mem = f", {torch.cuda.memory_allocated() / 2**30:.1f} GiB allocated" if args.device.startswith("cuda") else ""
     print(f"minidi prefill | {card['device']} ({args.device}) | peaks: {card['peaks']['matmul_tflops']} TFLOP/s "
@@ -302,6 +305,10 @@ def _run(args: argparse.Namespace, world: int, rank: int, modes: list[str], out_
     print(f"model {cfg.name} ({cfg.arch}, {cfg.n_layers} layers, dim {cfg.dim}, {cfg.n_routed_experts} experts, "
           f"EP{cfg.ep_size}) | {cfg.dtype}, fake_quant {cfg.fake_quant} | {wl.seqs} x ({wl.cached_tokens:,} cached + "
           f"{wl.new_tokens:,} new) tokens | built in {time.perf_counter() - t0:.1f}s{mem}")
+    if args.device.startswith("cuda"):
+        print(f"  note: ptxas {card['ptxas']}: FP4 expert GEMM tiles "
+              + ("swapped (register-operand MMA)" if card["fp4_swap_tiles"] else
+                 "unswapped (ptxas < 13.3 races on register-operand MMAs, triton issue 9433; TRITON_PTXAS_PATH)"))
     for n in notes:
         print(f"  note: {n}")
     if not args.no_stage_markers:

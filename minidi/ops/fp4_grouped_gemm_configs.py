@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
+import os
 
 import torch
 
@@ -38,6 +40,40 @@ class Fp4GemmConfig:
 SCALED_EP4 = Fp4GemmConfig(BM=256, BN=128, BK=128, num_warps=8, num_stages=3, swap=False, decode="scaled")
 SCALED_EP1 = Fp4GemmConfig(BM=64, BN=128, BK=128, num_warps=8, num_stages=4, swap=False, decode="scaled")
 SCALED_SMALL = Fp4GemmConfig(BM=128, BN=128, BK=128, num_warps=8, num_stages=3, swap=False, decode="scaled")  # 150
+# EP1 without register-operand MMAs (older ptxas, see rs_wgmma_safe)
+SS_EP1 = Fp4GemmConfig(BM=64, BN=128, BK=128, num_warps=4, num_stages=4, swap=False, decode="asm")
+
+
+# The swapped tiles feed the decoded weights to the Hopper MMA from registers ("RS" wgmma), pipelined with MMAs left in
+# flight. ptxas before 13.3 may reuse those registers before the MMA has read them (triton issue 9433, fixed in ptxas
+# 13.3): on the H200 with Triton 3.6 (ptxas 12.8) the swapped EP4 tile gave wrong values for a few weight rows of
+# some tiles, changing from run to run (docs/benchmarks/h200_ops_round4). With an older ptxas the defaults are
+# unswapped tiles ("SS": both MMA operands from shared memory). MINIDI_FP4_SWAP=0 / 1 overrides the check.
+RS_WGMMA_MIN_PTXAS = (13, 3)
+
+
+@functools.lru_cache(maxsize=None)
+def _ptxas_version(path_env: str | None) -> tuple[int, int] | None:
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+        major, minor = str(get_ptxas(90).version).split(".")[:2]
+        return int(major), int(minor)
+    except Exception:  # no NVIDIA backend / ptxas here
+        return None
+
+
+def ptxas_version() -> tuple[int, int] | None:
+    """(major, minor) of the ptxas Triton compiles sm_90 kernels with (honours TRITON_PTXAS_PATH), or None."""
+    return _ptxas_version(os.environ.get("TRITON_PTXAS_PATH"))
+
+
+def rs_wgmma_safe() -> bool:
+    """Whether register-operand (swapped) tiles are safe to pipeline with this ptxas; MINIDI_FP4_SWAP=0/1 decides."""
+    forced = os.environ.get("MINIDI_FP4_SWAP")
+    if forced in ("0", "1"):
+        return forced == "1"
+    v = ptxas_version()
+    return v is not None and v >= RS_WGMMA_MIN_PTXAS
 
 
 def _is_ep4_like(r: int, e: int) -> bool:
@@ -53,10 +89,13 @@ def default_config(r: int, e: int, n: int, k: int, dtype: torch.dtype, device: t
                              decode="asm" if dtype == torch.bfloat16 else "manual", progs=4)
     if dtype == torch.float32:  # test mode: IEEE fp32 dot, manual decode
         return Fp4GemmConfig(BM=64, BN=64, BK=32, num_warps=4, num_stages=2, decode="manual")
+    swap = rs_wgmma_safe()
     if _is_ep4_like(r, e):  # EP4-like (256 rows per expert): one 256-row tile per expert, decode amortised
-        return Fp4GemmConfig(BM=256, BN=128, BK=64, num_warps=8, num_stages=3, swap=True, decode="asm")
+        return Fp4GemmConfig(BM=256, BN=128, BK=64, num_warps=8, num_stages=3, swap=swap, decode="asm")
     # EP1-like (64 rows per expert): every expert's weights decoded once per column tile
-    return Fp4GemmConfig(BM=64, BN=128, BK=128, num_warps=8, num_stages=4, swap=True, decode="asm")
+    if swap:
+        return Fp4GemmConfig(BM=64, BN=128, BK=128, num_warps=8, num_stages=4, swap=True, decode="asm")
+    return SS_EP1
 
 
 def fallback_chain(r: int, e: int, n: int, k: int, dtype: torch.dtype, device: torch.device) -> list[Fp4GemmConfig]:

@@ -49,6 +49,8 @@ from ._triton_utils import check_backend, triton_can_run
 E4M3_MAX = 448.0
 AMAX_FLOOR = 1e-4
 OUT_DTYPES = (torch.bfloat16, torch.float32)
+_E4M3_MAX_K = tl.constexpr(E4M3_MAX)  # the kernel's copies: Triton 3.6 jit reads only constexpr globals
+_AMAX_FLOOR_K = tl.constexpr(AMAX_FLOOR)
 
 
 # ---- reference -----------------------------------------------------------------------------------------------------
@@ -65,6 +67,20 @@ def moe_activation_ref(g: torch.Tensor, v: torch.Tensor, ws: torch.Tensor, offs:
     s = ((((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(torch.int32)) << 23).view(torch.float32)
     q = (blocks / s).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).float() * s
     return q.flatten(-2).to(g.dtype)
+
+
+def grid_step(ref: torch.Tensor, block: int | None) -> torch.Tensor:
+    """Per element of a ``moe_activation`` result, the step of the grid it was rounded to (fp32): one e4m3 step
+    (2^-3 relative, and at least the subnormal step 2^-9 x the block's scale) with fake quant, one bf16 ulp
+    (2^-7 relative) without. Where exp's last bit differs from torch's, the two results differ by at most this."""
+    r = ref.float()
+    if not block:
+        return r.abs() * 2.0**-7
+    blocks = r.unflatten(-1, (r.shape[-1] // block, block))
+    y = blocks.abs().amax(-1, keepdim=True).clamp_min(AMAX_FLOOR) / E4M3_MAX
+    bits = y.view(torch.int32)
+    s = ((((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(torch.int32)) << 23).view(torch.float32)
+    return torch.maximum(blocks.abs() * 2.0**-3, s * 2.0**-9).flatten(-2)
 
 
 # ---- kernel --------------------------------------------------------------------------------------------------------
@@ -120,9 +136,9 @@ def _moe_activation_kernel(
             h = _round_bf16(h)  # the model's .to(dtype)
         if QUANT:
             amax = tl.max(tl.where(m & (h == h), tl.abs(h), 0.0), axis=1)  # [BR], over the finite values
-            s = _pow2_ceil(tl.math.div_rn(tl.maximum(amax, AMAX_FLOOR), E4M3_MAX))  # [BR] power of two
+            s = _pow2_ceil(tl.math.div_rn(tl.maximum(amax, _AMAX_FLOOR_K), _E4M3_MAX_K))  # [BR] power of two
             y = tl.math.div_rn(h, s[:, None])  # exact: s is a power of two
-            y = tl.minimum(tl.maximum(y, -E4M3_MAX), E4M3_MAX)
+            y = tl.minimum(tl.maximum(y, -_E4M3_MAX_K), _E4M3_MAX_K)
             h = tl.where(h != h, h, _round_e4m3(y) * s[:, None])  # a NaN input stays NaN
         tl.store(out_ptr + r64 * stride_o + cols[None, :], h.to(out_ptr.dtype.element_ty), mask=m)
 

@@ -39,6 +39,7 @@ from .rewrite_hc_mix import HCMixTF32x3
 from .rewrite_indexer import IndexerTopK
 from .rewrite_moe_activation import MoEActivation
 from .rewrite_moe_combine import MoECombine
+from .rewrite_moe_gather import MoERowGather
 from .rewrite_sparse_attention import SparseAttention
 
 try:  # installable as an Inductor custom pass too (it then keys the FX graph cache by uuid())
@@ -49,7 +50,7 @@ except ImportError:  # pragma: no cover
 log = logging.getLogger("minidi.passes")
 
 REWRITES: tuple[type[Rewrite], ...] = (MoECombine, GateTF32x3, FP4GroupedMM, SparseAttention, IndexerTopK,
-                                        HCMixTF32x3, HCExpand, MoEActivation)
+                                        HCMixTF32x3, HCExpand, MoEActivation, MoERowGather)
 BY_KEY: dict[str, type[Rewrite]] = {r.key: r for r in REWRITES}
 BY_NAME: dict[str, type[Rewrite]] = {r.name: r for r in REWRITES}
 GEMMS_PER_MOE = 3  # w1, w3, w2: pass D matches each expert GEMM
@@ -68,7 +69,7 @@ def expected_sites(cfg: ModelConfig, regional: bool = False, opt_in: bool = Fals
     D: every layer, three times (w1, w3, w2); F: every layer twice (the attention and FFN mHC mixers), plus V4's
     head (``hc_head``, outside the layers: site None) unless ``regional`` (only the layers are compiled then);
     G: every layer twice (the stream update after attention and after the MoE); with ``opt_in``, the opt-in passes
-    too: H, every layer (the MoE's expert activation; in fp32 models only after D)."""
+    too: H and I, every layer (the MoE's expert activation and its dispatch gather; in fp32 models only after D)."""
     layers = list(range(cfg.n_layers))
     head: list[int | None] = [] if (cfg.is_v41 or regional) else [None]
     return {
@@ -79,13 +80,13 @@ def expected_sites(cfg: ModelConfig, regional: bool = False, opt_in: bool = Fals
         "E": layers,
         "F": [i for i in layers for _ in range(HC_SITES_PER_LAYER)] + head,
         "G": [i for i in layers for _ in range(HC_SITES_PER_LAYER)],
-        **({"H": layers} if opt_in else {}),
+        **({"H": layers, "I": layers} if opt_in else {}),
     }
 
 
 def select(passes: str | Iterable[str] | None) -> list[str]:
     """"all" | "none" | "A,B" | "all,H" | ["A", "moe_combine"] -> pass keys in manager order. "all" is every pass
-    but the opt-in ones (``in_all = False``: H), which are named on their own."""
+    but the opt-in ones (``in_all = False``: H, I), which are named on their own."""
     if passes is None:
         return []
     if isinstance(passes, str):

@@ -12,7 +12,8 @@ import triton.language as tl
 
 from minidi.model.moe import swiglu_clipped
 from minidi.model.quant import fq8
-from minidi.ops.moe_activation import _round_bf16, _round_e4m3, launch, moe_activation, moe_activation_ref
+from minidi.ops.moe_activation import (_round_bf16, _round_e4m3, grid_step, launch, moe_activation,
+                                       moe_activation_ref)
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 POISON = 12345.0
@@ -71,6 +72,13 @@ def test_equals_the_model_ops_on_local_rows(case, dtype, block):
     assert (out[n:] == POISON).all()
     model = (swiglu_clipped(g, v, 10.0) * ws).to(dtype)  # the reference really is the model's chain
     assert torch.equal(ref, fq8(model, block) if block else model)
+
+
+def test_grid_step():
+    ref = torch.tensor([[448.0, 1.0, 0.0] + [0.0] * 125])  # one block of 128: scale 1, e4m3 steps 32, 0.125, 2^-9
+    step = grid_step(ref, 128)
+    assert step[0, :3].tolist() == [56.0, 0.125, 2.0**-9]
+    assert grid_step(ref, None)[0, :2].tolist() == [448.0 * 2.0**-7, 2.0**-7]
 
 
 def test_edge_values():
@@ -166,5 +174,4 @@ def test_gpu_v41_shape(block):
     assert (out[n:] == POISON).all()
     d = out[:n].float() != ref[:n].float()
     assert d.float().mean().item() < 1e-4
-    step = ref[:n].float().abs() * (2.0**-3 if block else 2.0**-7)
-    assert ((out[:n].float() - ref[:n].float()).abs() <= step + 1e-30).all()
+    assert ((out[:n].float() - ref[:n].float()).abs() <= grid_step(ref[:n], block) + 1e-30).all()

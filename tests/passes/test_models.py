@@ -37,7 +37,7 @@ def compiled(request):
     torch._dynamo.reset()
     counters.clear()
     model = minidi.load_model(request.param, dtype="float32", fake_quant=False)
-    engine = Engine(model, compile=True, passes="all,H",  # every pass, the opt-in H too
+    engine = Engine(model, compile=True, passes="all,H,I",  # every pass, the opt-in H and I too
                     compile_kwargs={"backend": "aot_eager", "strict": True, "keep_graphs": True}, **KW)
     out = engine.prefill(requests())
     ref = Engine(model, **KW).prefill(requests())
@@ -51,9 +51,9 @@ def test_every_site_matched(compiled):
     for key, layers in want.items():
         assert Counter(compiled.manager.sites[key]) == Counter(layers), key
     if compiled.name == "tiny-v41":
-        assert compiled.manager.counts == {"C": 10, "E": 10, "D": 30, "A": 10, "B": 4, "F": 20, "G": 20, "H": 10}
+        assert compiled.manager.counts == {"C": 10, "E": 10, "D": 30, "A": 10, "B": 4, "F": 20, "G": 20, "H": 10, "I": 10}
     else:  # F: two mixers per layer + V4's hc_head
-        assert compiled.manager.counts == {"C": 4, "E": 4, "D": 12, "A": 4, "B": 2, "F": 9, "G": 8, "H": 4}
+        assert compiled.manager.counts == {"C": 4, "E": 4, "D": 12, "A": 4, "B": 2, "F": 9, "G": 8, "H": 4, "I": 4}
 
 
 def test_logits_equal_uncompiled(compiled):
@@ -80,6 +80,7 @@ def test_naive_ops_gone(compiled):
         "minidi.ops.gate_tf32x3.gate_tf32x3": want["E"] + want["F"],  # the router and the mHC projections
         "minidi.ops.hc_streams.hc_stream_mix": want["G"],
         "minidi.ops.moe_activation.moe_activation": want["H"],
+        "minidi.ops.moe_gather.gather_rows": want["I"],
     }
     einsums = [n.args[0] for n in after.graph.nodes if n.op == "call_function" and "einsum" in str(n.target)]
     assert not {"thd,tkd->thk", "thk,tkd->thd", "thd,nd->thn", "rk,enk->ren"} & set(einsums)
@@ -101,6 +102,7 @@ sparse_attention
 hc_stream_mix
 gate_tf32x3
 gate_tf32x3
+gather_rows
 fp4_grouped_mm
 fp4_grouped_mm
 moe_activation

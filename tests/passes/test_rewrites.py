@@ -491,10 +491,53 @@ def test_moe_activation_rewrite_after_d_and_its_refusals():
         assert mgr.counts.get("H", 0) == 0, form
 
 
+# ---- I: MoE dispatch gather on the local rows (opt-in) ----------------------------------------------------------
+def gather_chain(x, w13, s13, w2, s2, offs, ws, form="direct"):
+    """The routed experts' dispatch as the model writes it: xs = x[idx] read by the w1 / w3 GEMMs. ``form``:
+    "direct" (the model's), "leak" (a second user reads every gathered row), "late_offs" (offs computed after the
+    gather)."""
+    idx = (torch.arange(x.shape[0] * 2, device=x.device) * 5) % x.shape[0]  # [2 T] rows, some tokens twice
+    if form == "late_offs":
+        xs = x[idx]
+        offs = offs + 0
+    else:
+        xs = x[idx]
+    g, v = experts(xs, w13, s13, offs), experts(xs, w13, s13, offs)
+    y = g * v
+    if form == "leak":
+        return y + xs.sum()
+    return y
+
+
+def test_moe_row_gather_rewrite_and_its_refusals():
+    """fp32 after pass D: I takes the gather; the rows below offs[-1] equal the naive ones bit for bit (a copy).
+    It refuses when anything but the grouped GEMMs reads the gathered rows."""
+    from minidi.ops.moe_gather import gather_rows
+
+    x, w13, s13, w2, s2, offs, ws = activation_inputs(torch.Generator().manual_seed(4))
+    offs = torch.tensor([4, 4, 13], dtype=torch.int32)  # 18 gathered rows, 13 local
+    args = (x, w13, s13, w2, s2, offs, ws)
+    out, mgr, _, after = run(Fn(gather_chain), args, "D,I", None)
+    assert mgr.counts == {"D": 2, "I": 1}
+    calls = [n.target for n in after.graph.nodes if n.op == "call_function"]
+    assert gather_rows in calls
+    assert not [n for n in after.graph.nodes if n.op == "call_function" and "getitem" in str(n.target)]
+    n = int(offs[-1])
+    assert torch.equal(out[:n], run(Fn(gather_chain), args, "D", None)[0][:n])
+    torch.testing.assert_close(out[:n], gather_chain(*args)[:n], rtol=1e-5, atol=1e-5)
+    for form in ("leak", "late_offs"):
+        _, mgr, _, _ = run(Fn(gather_chain, form=form), args, "D,I", None)
+        assert mgr.counts.get("I", 0) == 0, form
+    _, mgr, _, _ = run(Fn(gather_chain), args, "I", None)  # before D (fp32): the GEMMs are einsums, not grouped
+    assert mgr.counts.get("I", 0) == 0
+
+
 def test_select_all_leaves_out_the_opt_in_passes():
     from minidi.passes import select
 
     assert "H" not in select("all") and select("all,H") == select("all") + ["H"]
     assert select("H") == ["H"] and select(["moe_activation"]) == ["H"]
+    assert "I" not in select("all") and select("all,H,I") == select("all") + ["H", "I"]
+    assert select(["moe_row_gather"]) == ["I"]
     with pytest.raises(ValueError, match="unknown pass"):
         select("all,Z")

@@ -1,0 +1,118 @@
+"""MoE dispatch gather on the local rows only: ``x[idx]`` for the rows below offs[-1].
+
+The model sorts the T x k routed (token, slot) pairs by expert and gathers one row of the token activations per pair
+(``minidi.model.moe.RoutedExperts.forward``)::
+
+    xs = x[order // k]                 # [R, D]: every dispatched row, R = T k (EP N: N times the rank's tokens)
+    g = grouped_mm(xs, w1, offs)       # the only readers of xs: the w1 / w3 grouped GEMMs, which read rows
+    v = grouped_mm(xs, w3, offs)       # below offs[-1] only (this rank's experts)
+
+At emulated EP4 three quarters of those rows belong to other ranks' experts and are never read. ``gather_rows(x,
+idx, offs)`` copies only the rows below offs[-1] and leaves the rest unwritten, as the grouped GEMMs do with their
+own outputs. Inserted by pass I (``minidi/passes/rewrite_moe_gather.py``).
+
+Kernel: one program per [BR rows, BD columns] tile. A program whose rows all lie past offs[-1] (read on the device,
+no host sync) returns at once. An index outside [0, T) gives a row of NaN (a loud wrong answer, never a read out of
+bounds); the ref backend and CPU tensors raise instead.
+
+Bytes at V4.1-Flash EP4 (R 98,304 rows, 1/4 local, D 5,120 bf16): the local rows' 252 MB read and 252 MB written;
+the whole-R gather moves four times that.
+
+Legend: T token rows of x, R gathered rows, D columns, E local experts, BR/BD tile sizes.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._triton_utils import check_backend, triton_can_run
+
+X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+IDX_DTYPES = (torch.int32, torch.int64)
+
+
+# ---- reference -----------------------------------------------------------------------------------------------------
+def gather_rows_ref(x: torch.Tensor, idx: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """Plain torch: every row gathered (rows past offs[-1] come out computed, not garbage)."""
+    return x[idx.long()]
+
+
+# ---- kernel --------------------------------------------------------------------------------------------------------
+@triton.jit
+def _gather_rows_kernel(x_ptr, idx_ptr, offs_ptr, out_ptr, T, R, D, E, stride_x, stride_o,
+                        BR: tl.constexpr, BD: tl.constexpr):
+    n_rows = tl.minimum(tl.maximum(tl.load(offs_ptr + E - 1), 0), R)  # rows below offs[-1]: this rank's experts
+    r0 = tl.program_id(0) * BR
+    if r0 < n_rows:
+        rows = r0 + tl.arange(0, BR)
+        cols = tl.program_id(1) * BD + tl.arange(0, BD)
+        rm = rows < n_rows
+        cm = cols < D
+        src = tl.load(idx_ptr + rows, mask=rm, other=0).to(tl.int64)
+        ok = rm & (src >= 0) & (src < T)  # out of range: NaN row, never an out-of-bounds read
+        v = tl.load(x_ptr + src[:, None] * stride_x + cols[None, :], mask=ok[:, None] & cm[None, :],
+                    other=float("nan"))
+        tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_o + cols[None, :], v, mask=rm[:, None] & cm[None, :])
+
+
+def launch(x: torch.Tensor, idx: torch.Tensor, offs: torch.Tensor, out: torch.Tensor) -> None:
+    """Checked tensors (x, out with unit column stride, idx / offs contiguous). Writes the rows of ``out`` below
+    offs[-1] only (tests pass a poisoned ``out``)."""
+    r, d = out.shape
+    if r == 0 or d == 0:
+        return
+    br = 16 if x.is_cuda else 8
+    bd = min(1024 if x.is_cuda else 64, triton.next_power_of_2(d))
+    grid = (triton.cdiv(r, br), triton.cdiv(d, bd))
+    _gather_rows_kernel[grid](x, idx, offs, out, x.shape[0], r, d, offs.numel(), x.stride(0), out.stride(0),
+                              BR=br, BD=bd, num_warps=4)
+
+
+def _check(x: torch.Tensor, idx: torch.Tensor, offs: torch.Tensor) -> None:
+    def fail(what: str) -> None:
+        raise ValueError(f"gather_rows: {what}")
+
+    if x.dim() != 2 or x.dtype not in X_DTYPES:
+        fail(f"x must be [T, D] with dtype in {X_DTYPES}, got {tuple(x.shape)} {x.dtype}")
+    if idx.dim() != 1 or idx.dtype not in IDX_DTYPES:
+        fail(f"idx must be [R] int32/int64 (the x row of each output row), got {tuple(idx.shape)} {idx.dtype}")
+    if offs.dim() != 1 or offs.dtype != torch.int32 or offs.numel() == 0:
+        fail(f"offs must be [E] int32 with E >= 1 (cumulative row ends), got {tuple(offs.shape)} {offs.dtype}")
+    devs = {t.device for t in (x, idx, offs)}
+    if len(devs) != 1:
+        fail(f"x, idx and offs must be on one device, got {sorted(map(str, devs))}")
+    if idx.device.type == "cpu" and idx.numel() and not torch.compiler.is_compiling():
+        lo, hi = int(idx.min()), int(idx.max())
+        if lo < 0 or hi >= x.shape[0]:
+            raise IndexError(f"gather_rows: idx holds {lo if lo < 0 else hi}, outside x's {x.shape[0]} rows")
+
+
+# ---- custom op -----------------------------------------------------------------------------------------------------
+@torch.library.custom_op("minidi::gather_rows", mutates_args=())
+def _gather_rows_op(x: torch.Tensor, idx: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    if not triton_can_run(x, idx, offs):
+        raise RuntimeError(f"minidi::gather_rows: Triton needs CUDA tensors, or CPU tensors with TRITON_INTERPRET=1 "
+                           f"(got {x.device}); use backend='ref'")
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    out = torch.empty(idx.shape[0], x.shape[1], dtype=x.dtype, device=x.device)
+    launch(x, idx.contiguous(), offs.contiguous(), out)
+    return out
+
+
+@_gather_rows_op.register_fake
+def _(x, idx, offs):
+    return x.new_empty(idx.shape[0], x.shape[1])
+
+
+def gather_rows(x: torch.Tensor, idx: torch.Tensor, offs: torch.Tensor, backend: str = "triton") -> torch.Tensor:
+    """[R, D] in x's dtype: row r = x[idx[r]] for r < offs[-1]; the rows past it are not written (garbage), as with
+    the grouped GEMMs that read them. x [T, D] bf16 | fp16 | fp32; idx [R] int32 | int64 in [0, T) (checked on CPU
+    tensors; on the GPU an index out of range gives a NaN row); offs [E] int32 cumulative row ends.
+    ``backend``: "triton" or "ref" (plain torch, every row gathered)."""
+    check_backend(backend)
+    _check(x, idx, offs)
+    if backend == "ref":
+        return gather_rows_ref(x, idx, offs)
+    return _gather_rows_op(x, idx, offs)

@@ -1,0 +1,59 @@
+"""Pass I (opt-in, not in "all" until checked on the GPU): the MoE dispatch gather over every routed row
+(``minidi.model.moe``: ``xs = x[order // k]``) -> ``minidi.ops.moe_gather.gather_rows`` on the rows below offs[-1].
+
+Naive subgraph (Dynamo FX), once per MoE layer::
+
+    xs = x[idx]                        # getitem: x [T, D], idx [R] integer; R = T k rows (EP N: N T k)
+    g = grouped_mm(xs, w1, offs)       # every user of xs is a grouped GEMM with one offs, reading xs as its input
+    v = grouped_mm(xs, w3, offs)
+
+Replacement::
+
+    xs = gather_rows(x, idx, offs)     # rows past offs[-1] not written: nothing reads them
+
+The GEMMs may be ``torch._grouped_mm`` or pass D's ``fp4_grouped_mm`` (I runs after D). With pass D's row-gather
+folding on (``rewrite_fp4_experts.ABSORB_ROW_GATHER``) the gather is gone before I looks, and I matches nothing.
+"""
+
+from __future__ import annotations
+
+from torch.fx import Node
+
+from minidi.ops.moe_gather import IDX_DTYPES, X_DTYPES, gather_rows
+
+from .base import Match, Rewrite
+from .fx_utils import dtype, is_call, rank
+from .rewrite_moe_activation import grouped_gemm_offs
+
+
+def row_gather(node) -> tuple[Node, Node] | None:
+    """node = x[idx] (a 1-D integer index into a 2-D float tensor) -> (x, idx)."""
+    if not (is_call(node, "getitem") and len(node.args) == 2 and isinstance(node.args[1], Node)):
+        return None
+    x, idx = node.args
+    if not isinstance(x, Node) or rank(x) != 2 or dtype(x) not in X_DTYPES or dtype(node) != dtype(x):
+        return None
+    if rank(idx) != 1 or dtype(idx) not in IDX_DTYPES:
+        return None
+    return x, idx
+
+
+class MoERowGather(Rewrite):
+    key = "I"
+    name = "moe_row_gather"
+    in_all = False  # opt-in ("all,I") until checked on the GPU
+
+    def match(self, node: Node) -> Match | None:
+        found = row_gather(node)
+        if found is None or not node.users:
+            return None
+        x, idx = found
+        offs = grouped_gemm_offs(next(iter(node.users)))
+        if offs is None or any(grouped_gemm_offs(u) is not offs or u.args[0] is not node
+                               or node in u.args[1:] or node in u.kwargs.values() for u in node.users):
+            return None  # the rows past offs[-1] would be read by something
+        order = {n: i for i, n in enumerate(node.graph.nodes)}
+        if order[offs] > order[node]:
+            return None  # offs is computed after the gather: the replacement could not read it
+        return Match(anchor=node, nodes={node}, target=gather_rows, args=(x, idx, offs),
+                     kwargs={"backend": self.op_backend}, outputs=[(node, None)])

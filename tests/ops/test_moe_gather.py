@@ -1,0 +1,116 @@
+"""minidi::gather_rows vs ``x[idx]`` (CPU under TRITON_INTERPRET=1; @gpu at the V4.1-Flash EP4 shape).
+
+A copy: bit-equal on the rows below offs[-1]; the rows past it are never written (poisoned outputs keep their
+poison); an index out of range raises on CPU tensors and gives a NaN row from the kernel."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from minidi.ops.moe_gather import gather_rows, gather_rows_ref, launch
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+POISON = 12345.0
+gpu = pytest.mark.gpu
+
+
+def make(t, d, counts, r, dtype, seed=0, device=DEV, idx_dtype=torch.int64):
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randn(t, d, generator=gen) * 3).to(dtype)
+    idx = torch.randint(0, t, (r,), generator=gen).to(idx_dtype)
+    offs = torch.tensor(counts, dtype=torch.int64).cumsum(0).to(torch.int32)
+    return x.to(device), idx.to(device), offs.to(device)
+
+
+def run(x, idx, offs):
+    out = torch.full((idx.shape[0], x.shape[1]), POISON, dtype=x.dtype, device=x.device)
+    launch(x, idx, offs, out)
+    return out
+
+
+# ragged: empty experts (first, middle, last), offs[-1] < R (other ranks' rows), offs[-1] == R, no local rows,
+# D not a multiple of the column tile, one token
+CASES = [  # (T, D, counts, R)
+    (11, 96, [5, 0, 15, 10], 37),
+    (7, 200, [0, 24], 24),
+    (5, 64, [0, 0], 19),
+    (1, 130, [3, 2], 9),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"T{c[0]}_D{c[1]}_R{c[3]}")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("idx_dtype", [torch.int64, torch.int32])
+def test_local_rows_equal_indexing_rest_untouched(case, dtype, idx_dtype):
+    t, d, counts, r = case
+    x, idx, offs = make(t, d, counts, r, dtype, idx_dtype=idx_dtype)
+    n = min(int(offs[-1]), r)
+    out = run(x, idx, offs)
+    assert torch.equal(out[:n], x[idx.long()][:n])
+    assert (out[n:] == POISON).all()
+
+
+def test_nan_and_inf_rows_copied_bit_exact():
+    x, idx, offs = make(6, 64, [9], 9, torch.float32)
+    x[2, 5], x[3, 0], x[4, 63] = float("nan"), float("inf"), -0.0
+    out = run(x, idx, offs)
+    assert torch.equal(out.view(torch.int32), x[idx].view(torch.int32))
+
+
+def test_out_of_range_index():
+    x, idx, offs = make(6, 64, [4, 4], 8, torch.float32)
+    idx[3] = 6
+    with pytest.raises(IndexError, match="idx holds 6, outside x's 6 rows"):
+        gather_rows(x, idx, offs)
+    idx[3] = -1
+    with pytest.raises(IndexError, match="idx holds -1"):
+        gather_rows(x, idx, offs)
+    out = run(x, idx, offs)  # the kernel itself (no check): a NaN row, the others exact
+    assert out[3].isnan().all()
+    keep = torch.arange(8) != 3
+    assert torch.equal(out[keep], x[idx.clamp(min=0)][keep])
+
+
+def test_ref_backend_public_op_and_compile():
+    x, idx, offs = make(11, 96, [5, 0, 15, 10], 37, torch.bfloat16)
+    n = int(offs[-1])
+    out = gather_rows(x, idx, offs)
+    assert torch.equal(out[:n], gather_rows(x, idx, offs, backend="ref")[:n])
+    assert torch.equal(gather_rows_ref(x, idx, offs), x[idx])
+    f = torch.compile(lambda *a: gather_rows(*a) * 2, backend="aot_eager", fullgraph=True)
+    assert torch.equal(f(x, idx, offs)[:n], out[:n] * 2)
+    x2, idx2, offs2 = make(5, 64, [12], 12, torch.bfloat16)  # every row local: nothing left unwritten
+    torch.library.opcheck(torch.ops.minidi.gather_rows.default, (x2, idx2, offs2))
+
+
+def test_clear_errors(monkeypatch):
+    x, idx, offs = make(6, 64, [8], 8, torch.bfloat16)
+    with pytest.raises(ValueError, match="x must be"):
+        gather_rows(x.to(torch.int32), idx, offs)
+    with pytest.raises(ValueError, match="x must be"):
+        gather_rows(x[0], idx, offs)
+    with pytest.raises(ValueError, match="idx must be"):
+        gather_rows(x, idx.float(), offs)
+    with pytest.raises(ValueError, match="idx must be"):
+        gather_rows(x, idx.view(2, 4), offs)
+    with pytest.raises(ValueError, match="offs must be"):
+        gather_rows(x, idx, offs.long())
+    with pytest.raises(ValueError, match="offs must be"):
+        gather_rows(x, idx, offs[:0])
+    with pytest.raises(ValueError, match="backend"):
+        gather_rows(x, idx, offs, backend="cuda")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    if DEV == "cpu":
+        with pytest.raises(RuntimeError, match="backend='ref'"):
+            gather_rows(x, idx, offs)
+
+
+@gpu
+def test_gpu_v41_ep4_shape():
+    """EP4-like: 4 x 4,096 tokens x top-6 = 98,304 rows, a quarter local (96 experts x 256), D 5,120."""
+    x, idx, offs = make(16384, 5120, [256] * 96, 98304, torch.bfloat16, device="cuda")
+    out = run(x, idx, offs)
+    n = int(offs[-1])
+    assert torch.equal(out[:n], x[idx][:n])
+    assert (out[n:] == POISON).all()
