@@ -56,7 +56,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--modes", default=None, help="comma list of eager,compile,passes (default: all on CUDA, eager "
                     "on the CPU)")
     ap.add_argument("--passes", default="all",
-                    help="passes of the 'passes' mode: all | A,B,... | all,H (H is opt-in: docs/passes.md)")
+                    help="passes of the 'passes' mode: all | A,B,... (docs/passes.md)")
     ap.add_argument("--compile_scope", choices=("layer", "model"), default="layer")
     ap.add_argument("--backend", default="inductor", help="inner torch.compile backend")
     ap.add_argument("--emulate-ep", "--emulate_ep", dest="emulate_ep", type=int, default=1,

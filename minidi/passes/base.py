@@ -57,15 +57,18 @@ class Rewrite:
 
 
 def _fake_value(target: Callable, args: tuple, kwargs: dict) -> Any:
-    from torch._guards import detect_fake_mode
+    """The replacement's output on the inputs' recorded fake values, in the fake mode those values belong to (not
+    ``detect_fake_mode``'s first choice, the tracing context's mode: inside a backend that is another mode, and
+    running the op there fails with "Mixing fake modes")."""
+    from torch._subclasses.fake_tensor import FakeTensor
 
     fargs = map_aggregate(args, val)
     fkwargs = map_aggregate(kwargs, val)
     tensors = [x for x in list(fargs) + list(fkwargs.values()) if isinstance(x, torch.Tensor)]
-    mode = detect_fake_mode(tensors)
-    if mode is None:
+    modes = {id(t.fake_mode): t.fake_mode for t in tensors if isinstance(t, FakeTensor)}
+    if len(modes) != 1:
         return None
-    with mode:
+    with next(iter(modes.values())):
         return target(*fargs, **fkwargs)
 
 

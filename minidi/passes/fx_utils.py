@@ -111,6 +111,17 @@ def is_literal(x: Any, value: Any) -> bool:
     return not isinstance(x, Node) and type(x) in (int, float, bool) and x == value
 
 
+def const_number(x: Any) -> int | float | None:
+    """A number known at trace time: a literal, or ``-literal`` as Dynamo records a negated float it lifted to a
+    symbolic value (``neg = -10.0``, an ``operator.neg`` node, under dynamic float shapes); else None."""
+    if isinstance(x, Node):
+        if x.op == "call_function" and x.target is operator.neg and len(x.args) == 1:
+            v = const_number(x.args[0])
+            return None if v is None else -v
+        return None
+    return x if type(x) in (int, float) else None
+
+
 def dims_equal(x: Any, *dims: int) -> bool:
     """A dim argument given as an int, a one-element tuple/list, equal to one of ``dims``."""
     if isinstance(x, (tuple, list)) and len(x) == 1:

@@ -95,7 +95,7 @@ def inspect_model(model_name: str, out: str | Path, passes: str = "all", backend
     before, after = step.pass_manager.graphs[-1]
     (out / "graph_before_passes.py").write_text(before.print_readable(print_output=False))
     (out / "graph_after_passes.py").write_text(after.print_readable(print_output=False))
-    rows = pass_table(before, select(passes), expected_sites(cfg, opt_in=True))
+    rows = pass_table(before, select(passes), expected_sites(cfg))
     table = format_table(rows)
     (out / "passes.txt").write_text(table + "\n")
     return dict(rows=rows, table=table, out=out, depyf=depyf_dir, counts=step.pass_manager.counts, ran=ran)

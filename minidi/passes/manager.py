@@ -6,12 +6,14 @@ backend (Inductor on the GPU, ``aot_eager`` in CPU tests). Why this level, and n
 see ``docs/passes.md``.
 
 Pass order (each pass sees the graph the previous one left): C moe_combine, E gate_tf32x3, D fp4_grouped_mm,
-A sparse_attention, B indexer_topk. The passes touch disjoint subgraphs (B's top-k output feeds A's ``comp_idx``, and
-both read only the other's *result*), so the order changes no match; it is fixed so that logs and graphs are stable.
+A sparse_attention, B indexer_topk, F hc_mix, G hc_expand, H moe_activation, I moe_row_gather. The passes touch
+disjoint subgraphs (B's top-k output feeds A's ``comp_idx``, and both read only the other's *result*); H and I read
+the GEMMs D leaves (either form), so apart from fp32 models (where H and I need D first) the order changes no match;
+it is fixed so that logs and graphs are stable.
 
     step = minidi.compile(model, passes="all", strict=True, backend="inductor")
     logits = step(meta, cache)
-    step.pass_manager.counts          # {"A": 10, "B": 4, "C": 10, "D": 30, "E": 10}
+    step.pass_manager.counts          # tiny V4.1: {"C": 10, "E": 10, "D": 30, "A": 10, "B": 4, "F": 20, ...}
 """
 
 from __future__ import annotations
@@ -61,15 +63,15 @@ class PassMatchError(RuntimeError):
     """strict mode: a pass matched a different number of sites than the model has."""
 
 
-def expected_sites(cfg: ModelConfig, regional: bool = False, opt_in: bool = False) -> dict[str, list[int | None]]:
+def expected_sites(cfg: ModelConfig, regional: bool = False) -> dict[str, list[int | None]]:
     """Layer of every site each pass must match in one model step, from the config.
 
     A: every layer (window-only layers too); B: every index-source layer (V4.1: owners and re-index layers; V4:
     the ratio-4 layers); C, E: every layer (one MoE each, hash-routed layers still compute the gate logits);
     D: every layer, three times (w1, w3, w2); F: every layer twice (the attention and FFN mHC mixers), plus V4's
     head (``hc_head``, outside the layers: site None) unless ``regional`` (only the layers are compiled then);
-    G: every layer twice (the stream update after attention and after the MoE); with ``opt_in``, the opt-in passes
-    too: H and I, every layer (the MoE's expert activation and its dispatch gather; in fp32 models only after D)."""
+    G: every layer twice (the stream update after attention and after the MoE); H and I: every layer (the MoE's
+    expert activation and its dispatch gather; in fp32 models only after D). Only the selected passes are checked."""
     layers = list(range(cfg.n_layers))
     head: list[int | None] = [] if (cfg.is_v41 or regional) else [None]
     return {
@@ -80,13 +82,14 @@ def expected_sites(cfg: ModelConfig, regional: bool = False, opt_in: bool = Fals
         "E": layers,
         "F": [i for i in layers for _ in range(HC_SITES_PER_LAYER)] + head,
         "G": [i for i in layers for _ in range(HC_SITES_PER_LAYER)],
-        **({"H": layers, "I": layers} if opt_in else {}),
+        "H": layers,
+        "I": layers,
     }
 
 
 def select(passes: str | Iterable[str] | None) -> list[str]:
-    """"all" | "none" | "A,B" | "all,H" | ["A", "moe_combine"] -> pass keys in manager order. "all" is every pass
-    but the opt-in ones (``in_all = False``: H, I), which are named on their own."""
+    """"all" | "none" | "A,B" | "all,X" | ["A", "moe_combine"] -> pass keys in manager order. "all" is every pass
+    but opt-in ones (``Rewrite.in_all = False``; none at present), which are named on their own."""
     if passes is None:
         return []
     if isinstance(passes, str):
@@ -276,7 +279,7 @@ def compile(  # noqa: A001 (minidi.compile mirrors torch.compile)
         owner = getattr(model_or_step, "__self__", model_or_step)
     cfg = getattr(owner, "cfg", None)
     if expected is None and isinstance(cfg, ModelConfig):
-        expected = expected_sites(cfg, regional=regional, opt_in=True)
+        expected = expected_sites(cfg, regional=regional)
     manager = PassManager(passes, strict=strict, expected=expected, op_backend=op_backend, keep_graphs=keep_graphs)
     if regional:
         return _compile_regional(owner, manager, backend, fullgraph=fullgraph, dynamic=dynamic, **compile_kwargs)

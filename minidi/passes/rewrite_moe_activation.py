@@ -1,4 +1,4 @@
-"""Pass H (opt-in, not in "all" until checked on the GPU): the MoE expert activation over every dispatched row
+"""Pass H: the MoE expert activation over every dispatched row
 (``minidi.model.moe``: ``swiglu_clipped(g, v, L) * ws``, ``.to(dtype)``, ``fq8``) ->
 ``minidi.ops.moe_activation.moe_activation`` on the rows below offs[-1] only.
 
@@ -27,7 +27,7 @@ from minidi.ops.fp4_grouped_gemm import fp4_grouped_mm
 from minidi.ops.moe_activation import moe_activation
 
 from .base import Match, Rewrite
-from .fx_utils import arg, dims_equal, dtype, is_call, is_literal, rank
+from .fx_utils import arg, const_number, dims_equal, dtype, is_call, is_literal, rank
 
 E4M3_MAX = 448.0
 
@@ -40,7 +40,8 @@ def _method(node, name: str, *literal_args) -> bool:
     """node is ``x.name(*literal_args)`` with these literal arguments after x (dtypes compared by identity)."""
     if not is_call(node, name) or len(node.args) != 1 + len(literal_args):
         return False
-    return all(a is b or a == b for a, b in zip(node.args[1:], literal_args))
+    return all(a is b or (not isinstance(a, Node) and a == b) or (isinstance(b, (int, float)) and const_number(a) == b)
+               for a, b in zip(node.args[1:], literal_args))
 
 
 def grouped_gemm_offs(node) -> Node | None:
@@ -52,12 +53,6 @@ def grouped_gemm_offs(node) -> Node | None:
     if node.op == "call_function" and node.target is fp4_grouped_mm and len(node.args) >= 4:
         return node.args[3]
     return None
-
-
-def _gemm_dtype(node: Node) -> torch.dtype | None:
-    """A grouped GEMM's output dtype: its recorded value's, else its input's (the GEMMs keep x's dtype; a node
-    another pass inserted may carry no fake value)."""
-    return dtype(node) or dtype(node.args[0])
 
 
 def fq8_input(node: Node) -> tuple[Node, int, set[Node]] | None:
@@ -152,7 +147,6 @@ def swiglu_weighted(node: Node) -> tuple[Node, Node, Node, float, set[Node]] | N
 class MoEActivation(Rewrite):
     key = "H"
     name = "moe_activation"
-    in_all = False  # opt-in ("all,H" / "A,...,H") until its graph form and numbers are checked on the GPU
 
     def match(self, node: Node) -> Match | None:
         fq = fq8_input(node)
@@ -164,7 +158,7 @@ class MoEActivation(Rewrite):
         if fq:
             nodes = nodes | fq[2]
         offs = grouped_gemm_offs(g)
-        if offs is None or grouped_gemm_offs(v) is not offs or _gemm_dtype(g) != end.args[1]:
+        if offs is None or grouped_gemm_offs(v) is not offs or dtype(g) != end.args[1]:
             return None
         if not node.users or any(grouped_gemm_offs(u) is not offs or u.args[0] is not node for u in node.users):
             return None  # the rows past offs[-1] would be read by something

@@ -1,4 +1,4 @@
-"""Pass I (opt-in, not in "all" until checked on the GPU): the MoE dispatch gather over every routed row
+"""Pass I: the MoE dispatch gather over every routed row
 (``minidi.model.moe``: ``xs = x[order // k]``) -> ``minidi.ops.moe_gather.gather_rows`` on the rows below offs[-1].
 
 Naive subgraph (Dynamo FX), once per MoE layer::
@@ -41,7 +41,6 @@ def row_gather(node) -> tuple[Node, Node] | None:
 class MoERowGather(Rewrite):
     key = "I"
     name = "moe_row_gather"
-    in_all = False  # opt-in ("all,I") until checked on the GPU
 
     def match(self, node: Node) -> Match | None:
         found = row_gather(node)

@@ -5,7 +5,7 @@ import operator
 import torch
 from torch.fx import Graph
 
-from minidi.passes.fx_utils import is_call, op
+from minidi.passes.fx_utils import const_number, is_call, op
 
 
 def _node(kind: str, target):
@@ -45,3 +45,14 @@ def test_mutation_between_a_one_node_subgraph_and_after_it():
     assert mutation_between(gm.graph, mul, add, [mul, add]) is None
     out = [n for n in gm.graph.nodes if n.op == "output"][0]
     assert mutation_between(gm.graph, mul, out, [mul]) is add_
+
+
+def test_const_number_sees_literals_and_negated_lifted_floats():
+    g = Graph()
+    x = g.placeholder("x")
+    neg = g.call_function(operator.neg, (10.0,))  # how Dynamo records -limit for a float it made symbolic
+    negneg = g.call_function(operator.neg, (neg,))
+    assert const_number(neg) == -10.0 and const_number(negneg) == 10.0
+    assert const_number(3) == 3 and const_number(2.5) == 2.5
+    assert const_number(x) is None and const_number(g.call_function(operator.neg, (x,))) is None
+    assert const_number(True) is None and const_number("a") is None

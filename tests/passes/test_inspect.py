@@ -12,9 +12,10 @@ def test_inspect_cli(tmp_path, capsys):
     pytest.importorskip("depyf")
     assert main(["--model", "tiny-v4", "--out", str(tmp_path), "--tokens", "8"]) == 0
     out = capsys.readouterr().out
-    rows = {line.split()[0]: line.split() for line in out.splitlines() if line[:2] in ("A ", "B ", "C ", "D ", "E ", "F ", "G ")}
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if line[:2] in ("A ", "B ", "C ", "D ", "E ", "F ", "G ", "H ", "I ")}
     assert {k: (int(r[2]), int(r[3])) for k, r in rows.items()} == {
-        "A": (4, 4), "B": (2, 2), "C": (4, 4), "D": (12, 12), "E": (4, 4), "F": (9, 9), "G": (8, 8)}
+        "A": (4, 4), "B": (2, 2), "C": (4, 4), "D": (12, 12), "E": (4, 4), "F": (9, 9), "G": (8, 8),
+        "H": (4, 4), "I": (4, 4)}
     assert "4x sparse_attention" in out and "12x fp4_grouped_mm" in out
     before = (tmp_path / "graph_before_passes.py").read_text()
     after = (tmp_path / "graph_after_passes.py").read_text()

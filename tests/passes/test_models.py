@@ -37,7 +37,7 @@ def compiled(request):
     torch._dynamo.reset()
     counters.clear()
     model = minidi.load_model(request.param, dtype="float32", fake_quant=False)
-    engine = Engine(model, compile=True, passes="all,H,I",  # every pass, the opt-in H and I too
+    engine = Engine(model, compile=True, passes="all",
                     compile_kwargs={"backend": "aot_eager", "strict": True, "keep_graphs": True}, **KW)
     out = engine.prefill(requests())
     ref = Engine(model, **KW).prefill(requests())
@@ -46,7 +46,7 @@ def compiled(request):
 
 
 def test_every_site_matched(compiled):
-    want = expected_sites(compiled.cfg, opt_in=True)
+    want = expected_sites(compiled.cfg)
     assert compiled.manager.counts == {k: len(v) for k, v in want.items()}
     for key, layers in want.items():
         assert Counter(compiled.manager.sites[key]) == Counter(layers), key
@@ -71,7 +71,7 @@ def test_naive_ops_gone(compiled):
     _, after = compiled.manager.graphs[-1]
     calls = Counter(f"{n.target.__module__}.{n.target.__name__}" for n in after.graph.nodes
                     if n.op == "call_function" and getattr(n.target, "__module__", "").startswith("minidi.ops"))
-    want = {k: len(v) for k, v in expected_sites(compiled.cfg, opt_in=True).items()}
+    want = {k: len(v) for k, v in expected_sites(compiled.cfg).items()}
     assert calls == {
         "minidi.ops.sparse_attention.sparse_attention": want["A"],
         "minidi.ops.indexer_score.indexer_topk": want["B"],
@@ -84,6 +84,14 @@ def test_naive_ops_gone(compiled):
     }
     einsums = [n.args[0] for n in after.graph.nodes if n.op == "call_function" and "einsum" in str(n.target)]
     assert not {"thd,tkd->thk", "thk,tkd->thd", "thd,nd->thn", "rk,enk->ren"} & set(einsums)
+
+
+def test_inserted_ops_carry_fake_values(compiled):
+    """Every op a pass inserted records its output's fake value, so later passes (H reads D's GEMM dtype) see it."""
+    _, after = compiled.manager.graphs[-1]
+    ops = [n for n in after.graph.nodes
+           if n.op == "call_function" and getattr(n.target, "__module__", "").startswith("minidi.ops")]
+    assert ops and all(isinstance(n.meta.get("example_value"), (torch.Tensor, tuple)) for n in ops)
 
 
 def test_one_layer_after_all_passes(compiled):
@@ -113,7 +121,7 @@ hc_stream_mix""")
 
 def _rerun(compiled, passes: str, strict: bool) -> PassManager:
     before, _ = compiled.manager.graphs[-1]
-    manager = PassManager(passes, strict=strict, expected=expected_sites(compiled.cfg, opt_in=True))
+    manager = PassManager(passes, strict=strict, expected=expected_sites(compiled.cfg))
     manager.run(copy.deepcopy(before))
     return manager
 
@@ -162,7 +170,8 @@ def trace_counts(model: torch.nn.Module, n_tokens: int) -> dict[str, int]:
 def test_second_tiny_config_counts_traced():
     model = minidi.load_model("tiny-v41-b", dtype="float32", fake_quant=False)
     want = {k: len(v) for k, v in expected_sites(model.cfg).items()}
-    assert trace_counts(model, 24) == want == {"A": 8, "B": 3, "C": 8, "D": 24, "E": 8, "F": 16, "G": 16}
+    assert trace_counts(model, 24) == want == {"A": 8, "B": 3, "C": 8, "D": 24, "E": 8, "F": 16, "G": 16,
+                                                "H": 8, "I": 8}
 
 
 def test_production_settings_counts_traced():
