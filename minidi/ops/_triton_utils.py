@@ -40,3 +40,9 @@ def dot(a, b, acc, INTERPRET: tl.constexpr):
     if INTERPRET:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
     return tl.dot(a, b, acc)
+
+
+@triton.jit
+def local_row_count(offs_ptr, E, R):
+    """Rows below offs[E-1] (this rank's experts' rows, sorted first), clamped to [0, R]; read on the device."""
+    return tl.minimum(tl.maximum(tl.load(offs_ptr + E - 1), 0), R)

@@ -44,7 +44,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ._triton_utils import check_backend, triton_can_run
+from ._triton_utils import check_backend, local_row_count, triton_can_run
 
 E4M3_MAX = 448.0
 AMAX_FLOOR = 1e-4
@@ -117,9 +117,9 @@ def _moe_activation_kernel(
         g_ptr, v_ptr, w_ptr, offs_ptr, out_ptr,
         R, I, E, stride_g, stride_v, stride_w, stride_o, limit,
         BR: tl.constexpr, BLOCK: tl.constexpr, QUANT: tl.constexpr, ROUND_BF16: tl.constexpr):
-    n_rows = tl.minimum(tl.maximum(tl.load(offs_ptr + E - 1), 0), R)  # rows below offs[-1]: this rank's experts
+    n_rows = local_row_count(offs_ptr, E, R)
     r0 = tl.program_id(0) * BR
-    if r0 < n_rows:
+    if r0 < n_rows:  # a tile past this rank's rows returns at once
         rows = r0 + tl.arange(0, BR)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         rm = rows < n_rows

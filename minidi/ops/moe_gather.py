@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._triton_utils import check_backend, triton_can_run
+from ._triton_utils import check_backend, local_row_count, triton_can_run
 
 X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 IDX_DTYPES = (torch.int32, torch.int64)
@@ -43,9 +43,9 @@ def gather_rows_ref(x: torch.Tensor, idx: torch.Tensor, offs: torch.Tensor) -> t
 @triton.jit
 def _gather_rows_kernel(x_ptr, idx_ptr, offs_ptr, out_ptr, T, R, D, E, stride_x, stride_o,
                         BR: tl.constexpr, BD: tl.constexpr):
-    n_rows = tl.minimum(tl.maximum(tl.load(offs_ptr + E - 1), 0), R)  # rows below offs[-1]: this rank's experts
+    n_rows = local_row_count(offs_ptr, E, R)
     r0 = tl.program_id(0) * BR
-    if r0 < n_rows:
+    if r0 < n_rows:  # a tile past this rank's rows returns at once
         rows = r0 + tl.arange(0, BR)
         cols = tl.program_id(1) * BD + tl.arange(0, BD)
         rm = rows < n_rows
