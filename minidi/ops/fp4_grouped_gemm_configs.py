@@ -40,8 +40,11 @@ class Fp4GemmConfig:
 SCALED_EP4 = Fp4GemmConfig(BM=256, BN=128, BK=128, num_warps=8, num_stages=3, swap=False, decode="scaled")
 SCALED_EP1 = Fp4GemmConfig(BM=64, BN=128, BK=128, num_warps=8, num_stages=4, swap=False, decode="scaled")
 SCALED_SMALL = Fp4GemmConfig(BM=128, BN=128, BK=128, num_warps=8, num_stages=3, swap=False, decode="scaled")  # 150
-# EP1 without register-operand MMAs (older ptxas, see rs_wgmma_safe)
-SS_EP1 = Fp4GemmConfig(BM=64, BN=128, BK=128, num_warps=4, num_stages=4, swap=False, decode="asm")
+# Without register-operand MMAs (older ptxas, see rs_wgmma_safe): the fastest unswapped tiles of the H200 race sweep
+# (docs/benchmarks/h200_ops_round4/call3_*/race.json, skewed rows, ptxas 12.8): EP4 2.173 / 2.108 ms (w1/w3 / w2)
+# against 2.245 / 2.196 for m256 n128 k64; EP1 4.117 / 3.985 ms against 4.305 / 4.326 for m64 n128 k128 w4.
+SS_EP4 = Fp4GemmConfig(BM=128, BN=256, BK=64, num_warps=8, num_stages=3, swap=False, decode="asm")
+SS_EP1 = Fp4GemmConfig(BM=64, BN=256, BK=64, num_warps=8, num_stages=4, swap=False, decode="asm")
 
 
 # The swapped tiles feed the decoded weights to the Hopper MMA from registers ("RS" wgmma), pipelined with MMAs left in
@@ -91,7 +94,9 @@ def default_config(r: int, e: int, n: int, k: int, dtype: torch.dtype, device: t
         return Fp4GemmConfig(BM=64, BN=64, BK=32, num_warps=4, num_stages=2, decode="manual")
     swap = rs_wgmma_safe()
     if _is_ep4_like(r, e):  # EP4-like (256 rows per expert): one 256-row tile per expert, decode amortised
-        return Fp4GemmConfig(BM=256, BN=128, BK=64, num_warps=8, num_stages=3, swap=swap, decode="asm")
+        if not swap:
+            return SS_EP4
+        return Fp4GemmConfig(BM=256, BN=128, BK=64, num_warps=8, num_stages=3, swap=True, decode="asm")
     # EP1-like (64 rows per expert): every expert's weights decoded once per column tile
     if swap:
         return Fp4GemmConfig(BM=64, BN=128, BK=128, num_warps=8, num_stages=4, swap=True, decode="asm")

@@ -23,7 +23,7 @@ from minidi.ops.fp4_grouped_gemm import (
     fp4_grouped_mm_ref,
     launch,
 )
-from minidi.ops.fp4_grouped_gemm_configs import SS_EP1, default_config, ptxas_version, rs_wgmma_safe
+from minidi.ops.fp4_grouped_gemm_configs import SS_EP1, SS_EP4, default_config, ptxas_version, rs_wgmma_safe
 
 gpu = pytest.mark.gpu
 
@@ -312,6 +312,8 @@ GPU_CONFIGS = [
     Fp4GemmConfig(BM=256, BN=128, BK=64, num_warps=8, num_stages=3, swap=True, decode="asm"),  # default, EP4-like
     Fp4GemmConfig(BM=64, BN=128, BK=128, num_warps=8, num_stages=4, swap=True, decode="asm"),  # default, EP1-like
     Fp4GemmConfig(BM=256, BN=128, BK=64, num_warps=8, num_stages=3, swap=False, decode="asm"),
+    SS_EP4,  # default, EP4-like, ptxas < 13.3
+    SS_EP1,  # default, EP1-like, ptxas < 13.3
     Fp4GemmConfig(BM=128, BN=256, BK=64, num_warps=8, num_stages=3, swap=True, decode="asm"),
     Fp4GemmConfig(BM=64, BN=64, BK=128, num_warps=4, num_stages=4, swap=True, decode="asm", progs_per_sm=2),
     Fp4GemmConfig(BM=256, BN=128, BK=128, num_warps=8, num_stages=3, swap=False, decode="scaled"),  # fallback EP4
@@ -395,11 +397,11 @@ def test_gpu_edge_scale_codes(cfg):
 
 def test_register_operand_tiles_only_with_a_fixed_ptxas(monkeypatch):
     """Swapped (register-operand MMA) tiles are the GPU default only where ptxas >= 13.3 (triton issue 9433);
-    MINIDI_FP4_SWAP overrides. EP4-like keeps its tile, EP1-like falls back to SS_EP1."""
+    MINIDI_FP4_SWAP overrides. Otherwise the unswapped SS_EP4 / SS_EP1."""
     cuda = torch.device("cuda")
     monkeypatch.setenv("MINIDI_FP4_SWAP", "0")
     assert not rs_wgmma_safe()
-    assert not default_config(24576, 96, 2304, 5120, torch.bfloat16, cuda).swap
+    assert default_config(24576, 96, 2304, 5120, torch.bfloat16, cuda) == SS_EP4
     assert default_config(24576, 384, 2304, 5120, torch.bfloat16, cuda) == SS_EP1
     monkeypatch.setenv("MINIDI_FP4_SWAP", "1")
     assert default_config(24576, 96, 2304, 5120, torch.bfloat16, cuda).swap
