@@ -10,7 +10,7 @@ but only the rows below offs[-1] (this rank's experts) are ever read again: the 
 the combine masks them. At emulated EP4 that is a quarter of the rows. ``moe_activation(g, v, ws, offs, ...)``
 computes those rows and leaves the rest unwritten (as ``fp4_grouped_mm`` does).
 
-Inserted by pass H (``minidi/passes/rewrite_moe_activation.py``), opt-in until checked on the GPU.
+Inserted by pass H (``minidi/passes/rewrite_moe_activation.py``).
 
 Kernel: one program per [BR rows, BLOCK channels] tile (BLOCK = the fq8 block). A program whose rows all lie past
 offs[-1] (read on the device, no host sync) returns at once. In the tile:
@@ -61,25 +61,28 @@ def moe_activation_ref(g: torch.Tensor, v: torch.Tensor, ws: torch.Tensor, offs:
     a = (F.silu(g.float().clamp(max=limit)) * v.float().clamp(-limit, limit) * ws).to(g.dtype)
     if not block:
         return a
-    blocks = a.float().unflatten(-1, (a.shape[-1] // block, block))
-    y = blocks.abs().amax(-1, keepdim=True).clamp_min(AMAX_FLOOR) / E4M3_MAX
-    bits = y.view(torch.int32)  # 2^ceil(log2(y)), exact
-    s = ((((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(torch.int32)) << 23).view(torch.float32)
+    blocks, s = _blocks_and_scales(a, block)
     q = (blocks / s).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).float() * s
     return q.flatten(-2).to(g.dtype)
+
+
+def _blocks_and_scales(a: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """a [..., I] -> fp32 blocks [..., I/block, block] and each block's fq8 scale 2^ceil(log2(max(amax, floor)/448))
+    [..., I/block, 1], exact."""
+    blocks = a.float().unflatten(-1, (a.shape[-1] // block, block))
+    y = blocks.abs().amax(-1, keepdim=True).clamp_min(AMAX_FLOOR) / E4M3_MAX
+    bits = y.view(torch.int32)
+    s = ((((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(torch.int32)) << 23).view(torch.float32)
+    return blocks, s
 
 
 def grid_step(ref: torch.Tensor, block: int | None) -> torch.Tensor:
     """Per element of a ``moe_activation`` result, the step of the grid it was rounded to (fp32): one e4m3 step
     (2^-3 relative, and at least the subnormal step 2^-9 x the block's scale) with fake quant, one bf16 ulp
     (2^-7 relative) without. Where exp's last bit differs from torch's, the two results differ by at most this."""
-    r = ref.float()
     if not block:
-        return r.abs() * 2.0**-7
-    blocks = r.unflatten(-1, (r.shape[-1] // block, block))
-    y = blocks.abs().amax(-1, keepdim=True).clamp_min(AMAX_FLOOR) / E4M3_MAX
-    bits = y.view(torch.int32)
-    s = ((((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(torch.int32)) << 23).view(torch.float32)
+        return ref.float().abs() * 2.0**-7
+    blocks, s = _blocks_and_scales(ref, block)
     return torch.maximum(blocks.abs() * 2.0**-3, s * 2.0**-9).flatten(-2)
 
 

@@ -32,6 +32,7 @@ from minidi.ops.fp4_grouped_gemm import fp4_grouped_mm
 
 from .base import Match, Rewrite
 from .fx_utils import arg, dims_equal, dtype, is_call, is_literal, n_args, normalize_einsum, rank, same_int, val
+from .rewrite_moe_gather import row_gather
 
 _NAN_BITS, _MIN_BITS = 0x7FC00000, 0x00400000
 
@@ -197,20 +198,9 @@ class FP4GroupedMM(Rewrite):
         if dtype(offs) != torch.int32 or rank(offs) != 1:
             return None
         kwargs = {"backend": self.op_backend}
-        gather = _row_gather(x) if ABSORB_ROW_GATHER and is_call(node, "_grouped_mm") else None
+        gather = row_gather(x) if ABSORB_ROW_GATHER and is_call(node, "_grouped_mm") else None
         if gather is not None:  # x = tokens[rows]: the kernel reads the token rows by index, x is never built
             x, kwargs["rows"] = gather
             nodes = nodes | {node.args[0]}  # erased once its last GEMM (w1, then w3) is rewritten
         return Match(anchor=node, nodes=nodes | dq_nodes, target=fp4_grouped_mm, args=(x, packed, scale, offs),
                      kwargs=kwargs, outputs=[(node, None)])
-
-
-def _row_gather(x: Node) -> tuple[Node, Node] | None:
-    """x = tokens[rows] (a 1-D integer index into a 2-D tensor of x's dtype) -> (tokens, rows)."""
-    if not (is_call(x, "getitem") and len(x.args) == 2 and isinstance(x.args[1], Node)):
-        return None
-    tokens, rows = x.args
-    if rank(tokens) != 2 or dtype(tokens) != dtype(x) or rank(rows) != 1 or dtype(rows) not in (torch.int64,
-                                                                                                 torch.int32):
-        return None
-    return tokens, rows

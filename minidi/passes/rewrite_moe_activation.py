@@ -23,13 +23,12 @@ from __future__ import annotations
 import torch
 from torch.fx import Node
 
+from minidi.model.quant import E4M3_MAX
 from minidi.ops.fp4_grouped_gemm import fp4_grouped_mm
 from minidi.ops.moe_activation import moe_activation
 
 from .base import Match, Rewrite
 from .fx_utils import arg, const_number, dims_equal, dtype, is_call, is_literal, rank
-
-E4M3_MAX = 448.0
 
 
 def _only_users(node: Node, allowed: set[Node]) -> bool:
