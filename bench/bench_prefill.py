@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling bench module
 
 import minidi  # noqa: E402
 from minidi.model import stages  # noqa: E402
-from minidi.ops.fp4_grouped_gemm_configs import ptxas_version, rs_wgmma_safe  # noqa: E402
+from minidi.ops.fp4_grouped_gemm_configs import ptxas_version, swap_tiles_enabled  # noqa: E402
 from minidi.runtime.engine import dynamic_shape_config  # noqa: E402
 from minidi.runtime.flops import mfu, step_flops  # noqa: E402
 from expert_loads import expert_loads, write_report  # noqa: E402
@@ -297,7 +297,7 @@ def _run(args: argparse.Namespace, world: int, rank: int, modes: list[str], out_
         "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else (platform.processor() or "cpu"),
         "dtype": cfg.dtype, "torch": torch.__version__, "peaks": measure_peaks(args.device, cfg.torch_dtype),
         "shared_experts": any("shared by all" in n for n in notes), "engram_table_rows": cfg.engram_table_rows,
-        "ptxas": ".".join(map(str, ptxas_version() or ())) or None, "fp4_swap_tiles": rs_wgmma_safe(),
+        "ptxas": ".".join(map(str, ptxas_version() or ())) or None, "fp4_swap_tiles": swap_tiles_enabled(),
     }
     mem = f", {torch.cuda.memory_allocated() / 2**30:.1f} GiB allocated" if args.device.startswith("cuda") else ""
     print(f"minidi prefill | {card['device']} ({args.device}) | peaks: {card['peaks']['matmul_tflops']} TFLOP/s "
@@ -308,7 +308,7 @@ def _run(args: argparse.Namespace, world: int, rank: int, modes: list[str], out_
     if args.device.startswith("cuda"):
         print(f"  note: ptxas {card['ptxas']}: FP4 expert GEMM tiles "
               + ("swapped (register-operand MMA)" if card["fp4_swap_tiles"] else
-                 "unswapped (ptxas < 13.3 races on register-operand MMAs, triton issue 9433; TRITON_PTXAS_PATH)"))
+                 "unswapped (the swapped ones race with Triton 3.6; MINIDI_FP4_SWAP=1 takes them)"))
     for n in notes:
         print(f"  note: {n}")
     if not args.no_stage_markers:

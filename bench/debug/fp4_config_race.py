@@ -3,7 +3,8 @@
 The swapped tiles (acc^T = W x^T) feed the decoded weights to the Hopper MMA from registers (an "RS" wgmma), which
 Triton pipelines with wgmma groups left in flight. Triton issue 9433: ptxas before 13.3 may reuse those registers
 before the MMA has read them, a race that corrupts a few weight rows of a tile (what the H200 showed: ~7 columns of
-a whole 256-row tile, changing from run to run). Unswapped tiles read both operands from shared memory ("SS").
+a whole 256-row tile, changing from run to run). ptxas 13.5 did not remove it (other grid sizes still raced in
+``fp4_rows_repro.py``). Unswapped tiles read both operands from shared memory ("SS").
 
 Per config and case (V4.1 w1/w3 and w2 at EP4 96 x 256 rows and EP1 384 x 64 rows, skewed rows): ``--repeats``
 launches, each compared bitwise with the first (a race shows as a run that differs) and, with a tolerance, with the
@@ -21,7 +22,7 @@ import torch
 import triton
 
 from minidi.ops.fp4_grouped_gemm import Fp4GemmConfig, default_config, launch
-from minidi.ops.fp4_grouped_gemm_configs import rs_wgmma_safe, ptxas_version
+from minidi.ops.fp4_grouped_gemm_configs import ptxas_version, swap_tiles_enabled
 
 C = Fp4GemmConfig
 CANDIDATES = {
@@ -70,7 +71,7 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--only", default="EP4,EP1")
     args = ap.parse_args()
-    report = {"triton": triton.__version__, "ptxas": ptxas_version(), "rs_wgmma_safe": rs_wgmma_safe(),
+    report = {"triton": triton.__version__, "ptxas": ptxas_version(), "swap_tiles_enabled": swap_tiles_enabled(),
               "cases": []}
     shapes = {"EP4": (96, 256), "EP1": (384, 64)}
     for ep in args.only.split(","):

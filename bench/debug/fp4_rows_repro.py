@@ -41,11 +41,9 @@ import json
 
 import torch
 
-from minidi.ops import fp4_grouped_gemm as fgg
 from minidi.ops.fp4_grouped_gemm import Fp4GemmConfig, default_config, fp4_dequant_ref, launch
 
-CONFIGS = {  # run with the op's stage cap for rows= off (ROWS_MAX_STAGES = None), but "default_capped"
-    "default_capped": None,
+CONFIGS = {
     "default": None,
     "stages1": {"num_stages": 1},
     "stages2": {"num_stages": 2},
@@ -75,12 +73,14 @@ def main() -> None:
     tokens = torch.randn(r // 6 + 1, k, device=args.device, dtype=torch.bfloat16)
     rows = torch.randint(0, tokens.shape[0], (r,), device=args.device)
     x = tokens[rows]
-    base = default_config(r, e, n, k, torch.bfloat16, x.device)
+    # the swapped EP4 tile that raced (the default before round 4; now opt-in, MINIDI_FP4_SWAP=1)
+    base = Fp4GemmConfig(BM=256, BN=128, BK=64, num_warps=8, num_stages=3, swap=True, decode="asm")
     report = {"case": {"experts": e, "rows_per_expert": args.rows, "N": n, "K": k, "tokens": tokens.shape[0]},
-              "default_config": base.name(), "torch": torch.__version__, "configs": {}}
+              "base_config": base.name(),
+              "default_config": default_config(r, e, n, k, torch.bfloat16, x.device).name(), "torch": torch.__version__,
+              "configs": {}}
     for name, change in CONFIGS.items():
         cfg = base if change is None else dataclasses.replace(base, **change)
-        fgg.ROWS_MAX_STAGES = 2 if name == "default_capped" else None
         entry = {"config": cfg.name(), "runs": []}
         try:
             for _ in range(args.repeats):

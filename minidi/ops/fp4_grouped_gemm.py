@@ -40,7 +40,6 @@ Legend: R rows (sorted by expert), E experts, N output columns, K input columns,
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import warnings
 from typing import Optional
@@ -58,14 +57,6 @@ X_DTYPES = (torch.bfloat16, torch.float32)
 PACKED_DTYPES = (torch.int8, torch.uint8)
 SCALE_DTYPES = (torch.float8_e8m0fnu, torch.uint8)
 FP4_BLOCK = 32
-ROWS_MAX_STAGES = 2
-"""Pipeline depth of the ``rows=`` path in the swapped (acc^T = W x^T) tiles on the GPU. On the H200 (Triton 3.6)
-the swapped BM 256 x BN 128 x BK 64 tile with 3 stages reading x through ``rows`` gave wrong values for a few
-weight rows of some tiles, changing from run to run (a race: ~7 of 128 columns of a whole 256-row tile, at 96,
-100 and 48 experts); with 2 stages, unswapped tiles or the "scaled" decode, every repeat was bit-equal to gathering
-first (``bench/debug/fp4_rows_repro.py``, ``docs/benchmarks/h200_ops_round4``). The cause inside Triton is not
-found; the TTGIR of the two variants differs only in the row ids' layout conversion in front of the tile's copies.
-None: no cap (the repro script uses it to show the failure)."""
 
 
 # ---- reference (oracle and fallback) -------------------------------------------------------------------------------
@@ -286,8 +277,6 @@ def launch(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor, offs:
     if r == 0 or n == 0:
         return
     cfg = config or default_config(r, e, n, k, x.dtype, x.device)
-    if rows is not None and ROWS_MAX_STAGES and cfg.swap and cfg.num_stages > ROWS_MAX_STAGES and x.is_cuda:
-        cfg = dataclasses.replace(cfg, num_stages=ROWS_MAX_STAGES)
     if cfg.decode not in DECODES:
         raise ValueError(f"fp4_grouped_mm: decode must be one of {DECODES}, got {cfg.decode!r}")
     if cfg.decode != "manual" and x.dtype != torch.bfloat16:

@@ -40,19 +40,21 @@ class Fp4GemmConfig:
 SCALED_EP4 = Fp4GemmConfig(BM=256, BN=128, BK=128, num_warps=8, num_stages=3, swap=False, decode="scaled")
 SCALED_EP1 = Fp4GemmConfig(BM=64, BN=128, BK=128, num_warps=8, num_stages=4, swap=False, decode="scaled")
 SCALED_SMALL = Fp4GemmConfig(BM=128, BN=128, BK=128, num_warps=8, num_stages=3, swap=False, decode="scaled")  # 150
-# Without register-operand MMAs (older ptxas, see rs_wgmma_safe): the fastest unswapped tiles of the H200 race sweep
+# Without register-operand MMAs (see swap_tiles_enabled): the fastest unswapped tiles of the H200 race sweep
 # (docs/benchmarks/h200_ops_round4/call3_*/race.json, skewed rows, ptxas 12.8): EP4 2.173 / 2.108 ms (w1/w3 / w2)
 # against 2.245 / 2.196 for m256 n128 k64; EP1 4.117 / 3.985 ms against 4.305 / 4.326 for m64 n128 k128 w4.
 SS_EP4 = Fp4GemmConfig(BM=128, BN=256, BK=64, num_warps=8, num_stages=3, swap=False, decode="asm")
 SS_EP1 = Fp4GemmConfig(BM=64, BN=256, BK=64, num_warps=8, num_stages=4, swap=False, decode="asm")
 
 
-# The swapped tiles feed the decoded weights to the Hopper MMA from registers ("RS" wgmma), pipelined with MMAs left in
-# flight. ptxas before 13.3 may reuse those registers before the MMA has read them (triton issue 9433, fixed in ptxas
-# 13.3): on the H200 with Triton 3.6 (ptxas 12.8) the swapped EP4 tile gave wrong values for a few weight rows of
-# some tiles, changing from run to run (docs/benchmarks/h200_ops_round4). With an older ptxas the defaults are
-# unswapped tiles ("SS": both MMA operands from shared memory). MINIDI_FP4_SWAP=0 / 1 overrides the check.
-RS_WGMMA_MIN_PTXAS = (13, 3)
+# The swapped tiles feed the decoded weights to the Hopper MMA from registers ("RS" wgmma). With Triton 3.6 on the
+# H200 the swapped 3-stage tile races: a few weight rows of whole tiles come out wrong, changing from run to run.
+# - With Triton 3.6's ptxas 12.8: in the default grid (GPU test, op bench, race sweep).
+# - With ptxas 13.5, where triton issue 9433's ptxas fix (13.3) is in: the default grid was clean in 9 runs, but
+#   other grid sizes still raced, with the rows= read and without (docs/benchmarks/h200_ops_round4/call3_ptxas135/
+#   repro_e96.json: progs_tiles, progs_66).
+# So the defaults are unswapped tiles ("SS": both MMA operands from shared memory; no race seen in any run), and the
+# swapped ones are an opt-in for experiments: MINIDI_FP4_SWAP=1.
 
 
 @functools.lru_cache(maxsize=None)
@@ -70,13 +72,9 @@ def ptxas_version() -> tuple[int, int] | None:
     return _ptxas_version(os.environ.get("TRITON_PTXAS_PATH"))
 
 
-def rs_wgmma_safe() -> bool:
-    """Whether register-operand (swapped) tiles are safe to pipeline with this ptxas; MINIDI_FP4_SWAP=0/1 decides."""
-    forced = os.environ.get("MINIDI_FP4_SWAP")
-    if forced in ("0", "1"):
-        return forced == "1"
-    v = ptxas_version()
-    return v is not None and v >= RS_WGMMA_MIN_PTXAS
+def swap_tiles_enabled() -> bool:
+    """Whether the defaults may use the swapped (register-operand MMA) tiles: only with MINIDI_FP4_SWAP=1."""
+    return os.environ.get("MINIDI_FP4_SWAP") == "1"
 
 
 def _is_ep4_like(r: int, e: int) -> bool:
@@ -92,7 +90,7 @@ def default_config(r: int, e: int, n: int, k: int, dtype: torch.dtype, device: t
                              decode="asm" if dtype == torch.bfloat16 else "manual", progs=4)
     if dtype == torch.float32:  # test mode: IEEE fp32 dot, manual decode
         return Fp4GemmConfig(BM=64, BN=64, BK=32, num_warps=4, num_stages=2, decode="manual")
-    swap = rs_wgmma_safe()
+    swap = swap_tiles_enabled()
     if _is_ep4_like(r, e):  # EP4-like (256 rows per expert): one 256-row tile per expert, decode amortised
         if not swap:
             return SS_EP4

@@ -23,7 +23,7 @@ from minidi.ops.fp4_grouped_gemm import (
     fp4_grouped_mm_ref,
     launch,
 )
-from minidi.ops.fp4_grouped_gemm_configs import SS_EP1, SS_EP4, default_config, ptxas_version, rs_wgmma_safe
+from minidi.ops.fp4_grouped_gemm_configs import SS_EP1, SS_EP4, default_config, ptxas_version, swap_tiles_enabled
 
 gpu = pytest.mark.gpu
 
@@ -338,8 +338,8 @@ def _gpu_case(e, n, k, mean_rows, seed, skew=True):
 @pytest.mark.parametrize("shape", [(2304, 5120), (5120, 2304)], ids=["w13", "w2"])
 def test_gpu_matches_reference(cfg, shape):
     n, k = shape
-    if cfg is not None and cfg.swap and cfg.decode != "scaled" and not rs_wgmma_safe():
-        pytest.skip(f"register-operand MMA races with ptxas {ptxas_version()} < 13.3 (rs_wgmma_safe)")
+    if cfg is not None and cfg.swap and cfg.decode != "scaled" and not swap_tiles_enabled():
+        pytest.skip("swapped (register-operand MMA) tiles race with Triton 3.6: run with MINIDI_FP4_SWAP=1")
     x, wp, ws, offs = _gpu_case(12, n, k, 200, seed=n)
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message="fp4_grouped_mm")  # the default config must not need its fallback
@@ -360,7 +360,7 @@ def test_gpu_rows_gather(e, mean_rows):
     tokens = torch.randn(x.shape[0] // 6 + 1, 5120, generator=g).to(torch.bfloat16).cuda()
     rows = torch.randint(0, tokens.shape[0], (x.shape[0],), generator=g).cuda()
     gathered = fp4_grouped_mm(tokens[rows], wp, ws, offs)
-    for _ in range(4):  # the failure was a race (ROWS_MAX_STAGES): it came and went between repeats
+    for _ in range(4):  # the failure was a race (swap_tiles_enabled): it came and went between repeats
         with warnings.catch_warnings():
             warnings.filterwarnings("error", message="fp4_grouped_mm")
             out = fp4_grouped_mm(tokens, wp, ws, offs, rows=rows)
@@ -395,17 +395,21 @@ def test_gpu_edge_scale_codes(cfg):
     assert_close(out, ref, torch.bfloat16)
 
 
-def test_register_operand_tiles_only_with_a_fixed_ptxas(monkeypatch):
-    """Swapped (register-operand MMA) tiles are the GPU default only where ptxas >= 13.3 (triton issue 9433);
-    MINIDI_FP4_SWAP overrides. Otherwise the unswapped SS_EP4 / SS_EP1."""
+def test_register_operand_tiles_only_on_request(monkeypatch):
+    """The GPU defaults are the unswapped SS_EP4 / SS_EP1 (the swapped, register-operand MMA tiles race with Triton
+    3.6 on the H200, ptxas 12.8 and 13.5 alike); MINIDI_FP4_SWAP=1 takes the swapped ones."""
     cuda = torch.device("cuda")
-    monkeypatch.setenv("MINIDI_FP4_SWAP", "0")
-    assert not rs_wgmma_safe()
-    assert default_config(24576, 96, 2304, 5120, torch.bfloat16, cuda) == SS_EP4
-    assert default_config(24576, 384, 2304, 5120, torch.bfloat16, cuda) == SS_EP1
+    for value in (None, "0", "yes"):
+        if value is None:
+            monkeypatch.delenv("MINIDI_FP4_SWAP", raising=False)
+        else:
+            monkeypatch.setenv("MINIDI_FP4_SWAP", value)
+        assert not swap_tiles_enabled()
+        assert default_config(24576, 96, 2304, 5120, torch.bfloat16, cuda) == SS_EP4
+        assert default_config(24576, 384, 2304, 5120, torch.bfloat16, cuda) == SS_EP1
     monkeypatch.setenv("MINIDI_FP4_SWAP", "1")
+    assert swap_tiles_enabled()
     assert default_config(24576, 96, 2304, 5120, torch.bfloat16, cuda).swap
     assert default_config(24576, 384, 2304, 5120, torch.bfloat16, cuda).swap
-    monkeypatch.delenv("MINIDI_FP4_SWAP")
     v = ptxas_version()
-    assert rs_wgmma_safe() == (v is not None and v >= (13, 3))
+    assert v is None or (isinstance(v, tuple) and len(v) == 2 and all(isinstance(p, int) for p in v))
