@@ -483,6 +483,22 @@ def test_moe_activation_rewrite_after_d_and_its_refusals():
     args = activation_inputs(torch.Generator().manual_seed(3))
     out, mgr, _, after = run(Fn(activation_chain), args, "D,H", None)
     assert mgr.counts == {"D": 3, "H": 1}
+    assert_expected_inline(graph_text(after), """\
+class GraphModule(torch.nn.Module):
+    def forward(self, L_args_0_: "f32[9, 64]", L_args_1_: "i8[3, 64, 32]", L_args_2_: "u8[3, 64, 2]", L_args_5_: "i32[3]", L_args_6_: "f32[9, 1]", L_args_3_: "i8[3, 64, 32]", L_args_4_: "u8[3, 64, 2]"):
+        l_args_0_ = L_args_0_
+        l_args_1_ = L_args_1_
+        l_args_2_ = L_args_2_
+        l_args_5_ = L_args_5_
+        l_args_6_ = L_args_6_
+        l_args_3_ = L_args_3_
+        l_args_4_ = L_args_4_
+        fp4_grouped_mm: "f32[9, 64]" = minidi_ops_fp4_grouped_gemm_fp4_grouped_mm(l_args_0_, l_args_1_, l_args_2_, l_args_5_, backend = 'triton')
+        fp4_grouped_mm_1: "f32[9, 64]" = minidi_ops_fp4_grouped_gemm_fp4_grouped_mm(l_args_0_, l_args_1_, l_args_2_, l_args_5_, backend = 'triton');  l_args_0_ = l_args_1_ = l_args_2_ = None
+        moe_activation: "f32[9, 64]" = minidi_ops_moe_activation_moe_activation(fp4_grouped_mm, fp4_grouped_mm_1, l_args_6_, l_args_5_, 10.0, 32, backend = 'triton');  fp4_grouped_mm = fp4_grouped_mm_1 = l_args_6_ = None
+        fp4_grouped_mm_2: "f32[9, 64]" = minidi_ops_fp4_grouped_gemm_fp4_grouped_mm(moe_activation, l_args_3_, l_args_4_, l_args_5_, backend = 'triton');  moe_activation = l_args_3_ = l_args_4_ = l_args_5_ = None
+        return (fp4_grouped_mm_2,)
+""")
     calls = [n.target for n in after.graph.nodes if n.op == "call_function"]
     assert moe_activation in calls and torch.nn.functional.silu not in calls
     n = int(args[5][-1])
@@ -520,6 +536,22 @@ def test_moe_row_gather_rewrite_and_its_refusals():
     args = (x, w13, s13, w2, s2, offs, ws)
     out, mgr, _, after = run(Fn(gather_chain), args, "D,I", None)
     assert mgr.counts == {"D": 2, "I": 1}
+    assert_expected_inline(graph_text(after), """\
+class GraphModule(torch.nn.Module):
+    def forward(self, L_args_0_: "f32[9, 64]", L_args_1_: "i8[3, 64, 32]", L_args_2_: "u8[3, 64, 2]", L_args_5_: "i32[3]"):
+        l_args_0_ = L_args_0_
+        l_args_1_ = L_args_1_
+        l_args_2_ = L_args_2_
+        l_args_5_ = L_args_5_
+        arange: "i64[18]" = torch.arange(18, device = device(type='cpu'))
+        mul: "i64[18]" = arange * 5;  arange = None
+        idx: "i64[18]" = mul % 9;  mul = None
+        gather_rows: "f32[18, 64]" = minidi_ops_moe_gather_gather_rows(l_args_0_, idx, l_args_5_, backend = 'triton');  l_args_0_ = idx = None
+        fp4_grouped_mm: "f32[18, 64]" = minidi_ops_fp4_grouped_gemm_fp4_grouped_mm(gather_rows, l_args_1_, l_args_2_, l_args_5_, backend = 'triton')
+        fp4_grouped_mm_1: "f32[18, 64]" = minidi_ops_fp4_grouped_gemm_fp4_grouped_mm(gather_rows, l_args_1_, l_args_2_, l_args_5_, backend = 'triton');  gather_rows = l_args_1_ = l_args_2_ = l_args_5_ = None
+        y: "f32[18, 64]" = fp4_grouped_mm * fp4_grouped_mm_1;  fp4_grouped_mm = fp4_grouped_mm_1 = None
+        return (y,)
+""")
     calls = [n.target for n in after.graph.nodes if n.op == "call_function"]
     assert gather_rows in calls
     assert not [n for n in after.graph.nodes if n.op == "call_function" and "getitem" in str(n.target)]
