@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# (Ran at a8006ad. Since then fp4_config_race.py writes "swap_tiles_enabled" instead of "rs_wgmma_safe".)
 # Round 4, call 3 (nvidia-h200-x2): which FP4 GEMM configs are race-free and how fast.
 # GPU 0: Triton 3.6's own ptxas (12.8). GPU 1: ptxas 13.5 (carried in .tools/, from the nvidia-cuda-nvcc wheel),
 # where triton issue 9433 (register-operand MMA race) is fixed: the race sweep, the rows repro, the op GPU tests.
