@@ -307,8 +307,8 @@ def _run(args: argparse.Namespace, world: int, rank: int, modes: list[str], out_
           f"{wl.new_tokens:,} new) tokens | built in {time.perf_counter() - t0:.1f}s{mem}")
     if args.device.startswith("cuda"):
         print(f"  note: ptxas {card['ptxas']}: FP4 expert GEMM tiles "
-              + ("swapped (register-operand MMA)" if card["fp4_swap_tiles"] else
-                 "unswapped (the swapped ones race with Triton 3.6; MINIDI_FP4_SWAP=1 takes them)"))
+              + ("swapped, two warpgroups (MINIDI_FP4_SWAP=1: racy with Triton 3.6, for experiments)"
+                 if card["fp4_swap_tiles"] else "swapped, one warpgroup (the race-free defaults)"))
     for n in notes:
         print(f"  note: {n}")
     if not args.no_stage_markers:

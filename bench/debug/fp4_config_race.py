@@ -31,12 +31,25 @@ CANDIDATES = {
             C(BM=256, BN=128, BK=64, num_warps=8, num_stages=4, swap=False),
             C(BM=256, BN=128, BK=128, num_warps=8, num_stages=3, swap=False),
             C(BM=128, BN=256, BK=64, num_warps=8, num_stages=3, swap=False),
-            C(BM=128, BN=128, BK=64, num_warps=8, num_stages=4, swap=False)],
+            C(BM=128, BN=128, BK=64, num_warps=8, num_stages=4, swap=False),
+            # swapped with one warpgroup: no wgmma wait across warpgroups (triton issue 11047 / PR 11056)
+            C(BM=128, BN=128, BK=64, num_warps=4, num_stages=3, swap=True),
+            C(BM=128, BN=128, BK=64, num_warps=4, num_stages=3, swap=True, progs_per_sm=2),
+            C(BM=128, BN=128, BK=64, num_warps=4, num_stages=4, swap=True, progs_per_sm=2),
+            C(BM=128, BN=128, BK=128, num_warps=4, num_stages=2, swap=True, progs_per_sm=2),
+            C(BM=256, BN=64, BK=64, num_warps=4, num_stages=3, swap=True, progs_per_sm=2),
+            C(BM=256, BN=64, BK=64, num_warps=4, num_stages=4, swap=True),
+            C(BM=128, BN=64, BK=128, num_warps=4, num_stages=3, swap=True)],
     "EP1": [C(BM=64, BN=128, BK=128, num_warps=8, num_stages=4, swap=True),
             C(BM=64, BN=128, BK=128, num_warps=4, num_stages=4, swap=False),
             C(BM=64, BN=256, BK=64, num_warps=8, num_stages=4, swap=False),
             C(BM=64, BN=128, BK=64, num_warps=4, num_stages=5, swap=False),
-            C(BM=128, BN=128, BK=64, num_warps=8, num_stages=3, swap=False)],
+            C(BM=128, BN=128, BK=64, num_warps=8, num_stages=3, swap=False),
+            C(BM=64, BN=128, BK=128, num_warps=4, num_stages=4, swap=True),
+            C(BM=64, BN=64, BK=128, num_warps=4, num_stages=4, swap=True),
+            C(BM=64, BN=128, BK=128, num_warps=4, num_stages=4, swap=True, progs_per_sm=2),
+            C(BM=64, BN=128, BK=64, num_warps=4, num_stages=4, swap=True, progs_per_sm=2),
+            C(BM=64, BN=64, BK=128, num_warps=4, num_stages=4, swap=True, progs_per_sm=2)],
 }
 
 

@@ -54,6 +54,18 @@ CONFIGS = {
 }
 
 
+def parse_config(spec: str) -> Fp4GemmConfig:
+    """'BM=256,BN=128,swap=1,decode=asm' -> Fp4GemmConfig (fields not named keep their defaults)."""
+    fields = {f.name: f.type for f in dataclasses.fields(Fp4GemmConfig)}
+    kw = {}
+    for item in filter(None, spec.split(",")):
+        key, _, value = item.partition("=")
+        if key not in fields:
+            raise SystemExit(f"--base: unknown field {key!r}; known: {sorted(fields)}")
+        kw[key] = value if key == "decode" else bool(int(value)) if key == "swap" else int(value)
+    return Fp4GemmConfig(**kw)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--experts", type=int, default=96)
@@ -62,6 +74,9 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=5120)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--base", default="BM=256,BN=128,BK=64,num_warps=8,num_stages=3,swap=1",
+                    help="the config the variants change, as comma-separated Fp4GemmConfig fields (default: the "
+                         "swapped EP4 tile that raced)")
     ap.add_argument("--device", default="cuda", help="cpu: a dry run in the Triton interpreter (small shapes)")
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -73,8 +88,7 @@ def main() -> None:
     tokens = torch.randn(r // 6 + 1, k, device=args.device, dtype=torch.bfloat16)
     rows = torch.randint(0, tokens.shape[0], (r,), device=args.device)
     x = tokens[rows]
-    # the swapped EP4 tile that raced (the default before round 4; now opt-in, MINIDI_FP4_SWAP=1)
-    base = Fp4GemmConfig(BM=256, BN=128, BK=64, num_warps=8, num_stages=3, swap=True, decode="asm")
+    base = parse_config(args.base)
     report = {"case": {"experts": e, "rows_per_expert": args.rows, "N": n, "K": k, "tokens": tokens.shape[0]},
               "base_config": base.name(),
               "default_config": default_config(r, e, n, k, torch.bfloat16, x.device).name(), "torch": torch.__version__,

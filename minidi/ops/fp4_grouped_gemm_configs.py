@@ -40,21 +40,36 @@ class Fp4GemmConfig:
 SCALED_EP4 = Fp4GemmConfig(BM=256, BN=128, BK=128, num_warps=8, num_stages=3, swap=False, decode="scaled")
 SCALED_EP1 = Fp4GemmConfig(BM=64, BN=128, BK=128, num_warps=8, num_stages=4, swap=False, decode="scaled")
 SCALED_SMALL = Fp4GemmConfig(BM=128, BN=128, BK=128, num_warps=8, num_stages=3, swap=False, decode="scaled")  # 150
-# Without register-operand MMAs (see swap_tiles_enabled): the fastest unswapped tiles of the H200 race sweep
+# Without register-operand MMAs (see below): the fastest unswapped tiles of the H200 race sweep
 # (docs/benchmarks/h200_ops_round4/call3_*/race.json, skewed rows, ptxas 12.8): EP4 2.173 / 2.108 ms (w1/w3 / w2)
 # against 2.245 / 2.196 for m256 n128 k64; EP1 4.117 / 3.985 ms against 4.305 / 4.326 for m64 n128 k128 w4.
 SS_EP4 = Fp4GemmConfig(BM=128, BN=256, BK=64, num_warps=8, num_stages=3, swap=False, decode="asm")
 SS_EP1 = Fp4GemmConfig(BM=64, BN=256, BK=64, num_warps=8, num_stages=4, swap=False, decode="asm")
+# Swapped with one warpgroup, two programs per SM (docs/benchmarks/h200_ops_round5/call1/race.json): EP4 1.863 /
+# 1.789 ms against SS_EP4's 2.159 / 2.095 in the same run, and race-free there (6 repeats, bitwise) and in the rows
+# repro's grid variants; call 2: 1.822 / 1.811 ms, 8 repeats race-free, and the V4.1 EP4 prefill (592.8 ms/step).
+# EP1 (call 2's sweep): 3.287 / 3.306 ms against SS_EP1's 4.087 / 3.958, race-free in 8 repeats.
+SWAP1WG_EP4 = Fp4GemmConfig(BM=128, BN=128, BK=64, num_warps=4, num_stages=3, swap=True, decode="asm", progs_per_sm=2)
+SWAP1WG_EP1 = Fp4GemmConfig(BM=64, BN=128, BK=64, num_warps=4, num_stages=4, swap=True, decode="asm", progs_per_sm=2)
 
 
 # The swapped tiles feed the decoded weights to the Hopper MMA from registers ("RS" wgmma). With Triton 3.6 on the
-# H200 the swapped 3-stage tile races: a few weight rows of whole tiles come out wrong, changing from run to run.
+# H200 the swapped tiles of two warpgroups (8 warps) race: a few weight rows of whole tiles come out wrong, changing
+# from run to run.
 # - With Triton 3.6's ptxas 12.8: in the default grid (GPU test, op bench, race sweep).
 # - With ptxas 13.5, where triton issue 9433's ptxas fix (13.3) is in: the default grid was clean in 9 runs, but
 #   other grid sizes still raced, with the rows= read and without (docs/benchmarks/h200_ops_round4/call3_ptxas135/
 #   repro_e96.json: progs_tiles, progs_66).
-# So the defaults are unswapped tiles ("SS": both MMA operands from shared memory; no race seen in any run), and the
-# swapped ones are an opt-in for experiments: MINIDI_FP4_SWAP=1.
+# - Triton issue 11047 (fixed by PR 11056, after Triton 3.6): the wgmma wait does not synchronise across
+#   warpgroups, so one warpgroup can run ahead and overwrite what the other's MMAs still read. One warpgroup
+#   (num_warps=4) has nothing to synchronise with: no one-warpgroup swapped tile raced in round 5's sweep and repro.
+# So swapped tiles of several warpgroups are never a default, and are an opt-in for experiments: MINIDI_FP4_SWAP=1.
+
+
+def multi_warpgroup_swap(cfg: Fp4GemmConfig) -> bool:
+    """Whether ``cfg`` is a register-operand MMA tile spread over several warpgroups: the kind that races with Triton
+    3.6 on Hopper (see above). The "scaled" decode does not feed the MMA from registers."""
+    return cfg.swap and cfg.decode != "scaled" and cfg.num_warps > 4
 
 
 @functools.lru_cache(maxsize=None)
@@ -73,7 +88,8 @@ def ptxas_version() -> tuple[int, int] | None:
 
 
 def swap_tiles_enabled() -> bool:
-    """Whether the defaults may use the swapped (register-operand MMA) tiles: only with MINIDI_FP4_SWAP=1."""
+    """Whether the defaults may use swapped tiles of two warpgroups (``multi_warpgroup_swap``, racy with Triton 3.6):
+    only with MINIDI_FP4_SWAP=1."""
     return os.environ.get("MINIDI_FP4_SWAP") == "1"
 
 
@@ -91,14 +107,14 @@ def default_config(r: int, e: int, n: int, k: int, dtype: torch.dtype, device: t
     if dtype == torch.float32:  # test mode: IEEE fp32 dot, manual decode
         return Fp4GemmConfig(BM=64, BN=64, BK=32, num_warps=4, num_stages=2, decode="manual")
     swap = swap_tiles_enabled()
-    if _is_ep4_like(r, e):  # EP4-like (256 rows per expert): one 256-row tile per expert, decode amortised
+    if _is_ep4_like(r, e):  # EP4-like (256 rows per expert): few row tiles per expert, decode amortised
         if not swap:
-            return SS_EP4
+            return SWAP1WG_EP4
         return Fp4GemmConfig(BM=256, BN=128, BK=64, num_warps=8, num_stages=3, swap=True, decode="asm")
     # EP1-like (64 rows per expert): every expert's weights decoded once per column tile
     if swap:
         return Fp4GemmConfig(BM=64, BN=128, BK=128, num_warps=8, num_stages=4, swap=True, decode="asm")
-    return SS_EP1
+    return SWAP1WG_EP1
 
 
 def fallback_chain(r: int, e: int, n: int, k: int, dtype: torch.dtype, device: torch.device) -> list[Fp4GemmConfig]:

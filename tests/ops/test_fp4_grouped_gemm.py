@@ -23,7 +23,8 @@ from minidi.ops.fp4_grouped_gemm import (
     fp4_grouped_mm_ref,
     launch,
 )
-from minidi.ops.fp4_grouped_gemm_configs import SS_EP1, SS_EP4, default_config, ptxas_version, swap_tiles_enabled
+from minidi.ops.fp4_grouped_gemm_configs import (SS_EP1, SS_EP4, SWAP1WG_EP1, SWAP1WG_EP4, default_config,
+                                                 multi_warpgroup_swap, ptxas_version, swap_tiles_enabled)
 
 gpu = pytest.mark.gpu
 
@@ -309,11 +310,14 @@ def test_fallback_chain_is_fast_and_failures_are_remembered(monkeypatch):
 # ---- GPU (realistic sizes) ---------------------------------------------------------------------------------------
 GPU_CONFIGS = [
     None,  # the op's default (its fallbacks make the test fail: see the warning filter)
-    Fp4GemmConfig(BM=256, BN=128, BK=64, num_warps=8, num_stages=3, swap=True, decode="asm"),  # default, EP4-like
-    Fp4GemmConfig(BM=64, BN=128, BK=128, num_warps=8, num_stages=4, swap=True, decode="asm"),  # default, EP1-like
+    Fp4GemmConfig(BM=256, BN=128, BK=64, num_warps=8, num_stages=3, swap=True, decode="asm"),  # MINIDI_FP4_SWAP=1
+    Fp4GemmConfig(BM=64, BN=128, BK=128, num_warps=8, num_stages=4, swap=True, decode="asm"),  # MINIDI_FP4_SWAP=1
     Fp4GemmConfig(BM=256, BN=128, BK=64, num_warps=8, num_stages=3, swap=False, decode="asm"),
-    SS_EP4,  # default, EP4-like, ptxas < 13.3
-    SS_EP1,  # default, EP1-like, ptxas < 13.3
+    SWAP1WG_EP4,  # default, EP4-like
+    SS_EP4,
+    SWAP1WG_EP1,  # default, EP1-like
+    SS_EP1,
+    Fp4GemmConfig(BM=64, BN=128, BK=128, num_warps=4, num_stages=4, swap=True, decode="asm"),
     Fp4GemmConfig(BM=128, BN=256, BK=64, num_warps=8, num_stages=3, swap=True, decode="asm"),
     Fp4GemmConfig(BM=64, BN=64, BK=128, num_warps=4, num_stages=4, swap=True, decode="asm", progs_per_sm=2),
     Fp4GemmConfig(BM=256, BN=128, BK=128, num_warps=8, num_stages=3, swap=False, decode="scaled"),  # fallback EP4
@@ -338,8 +342,9 @@ def _gpu_case(e, n, k, mean_rows, seed, skew=True):
 @pytest.mark.parametrize("shape", [(2304, 5120), (5120, 2304)], ids=["w13", "w2"])
 def test_gpu_matches_reference(cfg, shape):
     n, k = shape
-    if cfg is not None and cfg.swap and cfg.decode != "scaled" and not swap_tiles_enabled():
-        pytest.skip("swapped (register-operand MMA) tiles race with Triton 3.6: run with MINIDI_FP4_SWAP=1")
+    if cfg is not None and multi_warpgroup_swap(cfg) and not swap_tiles_enabled():
+        pytest.skip("swapped (register-operand MMA) tiles of two warpgroups race with Triton 3.6: run with "
+                    "MINIDI_FP4_SWAP=1")
     x, wp, ws, offs = _gpu_case(12, n, k, 200, seed=n)
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message="fp4_grouped_mm")  # the default config must not need its fallback
@@ -396,8 +401,9 @@ def test_gpu_edge_scale_codes(cfg):
 
 
 def test_register_operand_tiles_only_on_request(monkeypatch):
-    """The GPU defaults are the unswapped SS_EP4 / SS_EP1 (the swapped, register-operand MMA tiles race with Triton
-    3.6 on the H200, ptxas 12.8 and 13.5 alike); MINIDI_FP4_SWAP=1 takes the swapped ones."""
+    """The GPU defaults are SWAP1WG_EP4 / SWAP1WG_EP1 (swapped, one warpgroup): never a register-operand
+    MMA tile of two warpgroups (those race with Triton 3.6 on the H200, ptxas 12.8 and 13.5 alike);
+    MINIDI_FP4_SWAP=1 takes those, for experiments."""
     cuda = torch.device("cuda")
     for value in (None, "0", "yes"):
         if value is None:
@@ -405,11 +411,14 @@ def test_register_operand_tiles_only_on_request(monkeypatch):
         else:
             monkeypatch.setenv("MINIDI_FP4_SWAP", value)
         assert not swap_tiles_enabled()
-        assert default_config(24576, 96, 2304, 5120, torch.bfloat16, cuda) == SS_EP4
-        assert default_config(24576, 384, 2304, 5120, torch.bfloat16, cuda) == SS_EP1
+        assert default_config(24576, 96, 2304, 5120, torch.bfloat16, cuda) == SWAP1WG_EP4
+        assert default_config(24576, 384, 2304, 5120, torch.bfloat16, cuda) == SWAP1WG_EP1
+        for r, e in ((24576, 96), (24576, 384), (4096, 8), (100, 1)):
+            assert not multi_warpgroup_swap(default_config(r, e, 2304, 5120, torch.bfloat16, cuda))
     monkeypatch.setenv("MINIDI_FP4_SWAP", "1")
     assert swap_tiles_enabled()
-    assert default_config(24576, 96, 2304, 5120, torch.bfloat16, cuda).swap
-    assert default_config(24576, 384, 2304, 5120, torch.bfloat16, cuda).swap
+    assert multi_warpgroup_swap(default_config(24576, 96, 2304, 5120, torch.bfloat16, cuda))
+    assert multi_warpgroup_swap(default_config(24576, 384, 2304, 5120, torch.bfloat16, cuda))
+    assert not multi_warpgroup_swap(SWAP1WG_EP4) and not multi_warpgroup_swap(SS_EP4)
     v = ptxas_version()
     assert v is None or (isinstance(v, tuple) and len(v) == 2 and all(isinstance(p, int) for p in v))
