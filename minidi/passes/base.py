@@ -16,7 +16,7 @@ from typing import Any, Callable, ClassVar
 
 import torch
 from torch.fx import Graph, Node
-from torch.fx.node import map_aggregate
+from torch.fx.node import map_aggregate, map_arg
 
 from .fx_utils import is_inplace, layer_of, mutation_between, val
 
@@ -74,13 +74,18 @@ def _fake_value(target: Callable, args: tuple, kwargs: dict) -> Any:
 
 def apply_match(graph: Graph, m: Match) -> bool:
     """Splice ``m`` into ``graph``. Refuses (returns False) when some other node mutates a tensor between the naive
-    subgraph's first node and its anchor: the replacement reads its inputs at the anchor, and must see what the naive
-    code saw."""
+    subgraph's first node and its anchor (the replacement reads its inputs at the anchor, and must see what the naive
+    code saw), when a naive result is used before the anchor, or when an input of the replacement is computed after
+    it."""
     if mutation_between(graph, m.first(graph), m.anchor, m.nodes) is not None:
         return False
     order = {n: i for i, n in enumerate(graph.nodes)}
     if any(order[u] < order[m.anchor] for old, _ in m.outputs for u in old.users if u not in m.nodes):
         return False  # a naive result is used before the anchor, where the replacement's result does not exist yet
+    inputs: list[Node] = []
+    map_arg((m.args, m.kwargs), inputs.append)
+    if any(order[a] > order[m.anchor] for a in inputs):
+        return False  # an input of the replacement is computed after the anchor, where the call is inserted
     with graph.inserting_before(m.anchor):
         new = graph.call_function(m.target, m.args, m.kwargs)
         for k in _META_KEYS:

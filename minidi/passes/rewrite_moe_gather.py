@@ -51,8 +51,6 @@ class MoERowGather(Rewrite):
         if offs is None or any(grouped_gemm_offs(u) is not offs or u.args[0] is not node
                                or node in u.args[1:] or node in u.kwargs.values() for u in node.users):
             return None  # the rows past offs[-1] would be read by something
-        order = {n: i for i, n in enumerate(node.graph.nodes)}
-        if order[offs] > order[node]:
-            return None  # offs is computed after the gather: the replacement could not read it
+        # offs computed after the gather: apply_match refuses (the replacement is inserted at the gather)
         return Match(anchor=node, nodes={node}, target=gather_rows, args=(x, idx, offs),
                      kwargs={"backend": self.op_backend}, outputs=[(node, None)])
