@@ -38,10 +38,14 @@ from minidi.ops.fp4_grouped_gemm import (  # noqa: E402
     fp4_grouped_mm,
     launch,
 )
+from minidi.ops.fp4_grouped_gemm_configs import (  # noqa: E402
+    SS_EP1, SS_EP4, SWAP1WG_EP1, SWAP1WG_EP4, SWAP2WG_EP1, SWAP2WG_EP4)
 
 C = Fp4GemmConfig
 SWEEP = {  # rows per expert >= 160 (EP4) / < 160 (EP1); "short" is the default, "full" adds the rest
-    "ep4_short": [C(BM=256, BN=128, BK=64, num_warps=8, num_stages=3, swap=True, decode="asm"),  # the op's default
+    "ep4_short": [SWAP1WG_EP4,  # the op's default
+                  SWAP2WG_EP4,  # racy with Triton 3.6 (MINIDI_FP4_SWAP=1)
+                  SS_EP4,
                   C(BM=256, BN=128, BK=64, num_warps=8, num_stages=4, swap=True, decode="asm"),
                   C(BM=256, BN=128, BK=64, num_warps=8, num_stages=3, swap=False, decode="asm"),
                   C(BM=128, BN=256, BK=64, num_warps=8, num_stages=3, swap=True, decode="asm"),
@@ -51,7 +55,9 @@ SWEEP = {  # rows per expert >= 160 (EP4) / < 160 (EP1); "short" is the default,
                  C(BM=256, BN=64, BK=64, num_warps=4, num_stages=3, swap=True, decode="asm"),
                  C(BM=128, BN=128, BK=128, num_warps=8, num_stages=3, swap=False, decode="scaled"),
                  C(BM=128, BN=128, BK=64, num_warps=4, num_stages=4, swap=True, decode="manual")],
-    "ep1_short": [C(BM=64, BN=128, BK=128, num_warps=8, num_stages=4, swap=True, decode="asm"),  # the op's default
+    "ep1_short": [SWAP1WG_EP1,  # the op's default
+                  SWAP2WG_EP1,  # racy with Triton 3.6 (MINIDI_FP4_SWAP=1)
+                  SS_EP1,
                   C(BM=64, BN=256, BK=64, num_warps=8, num_stages=4, swap=True, decode="asm"),
                   C(BM=64, BN=64, BK=128, num_warps=4, num_stages=4, swap=True, decode="asm", progs_per_sm=2),
                   C(BM=64, BN=128, BK=128, num_warps=8, num_stages=4, swap=False, decode="scaled"),  # 83 TFLOP/s

@@ -51,6 +51,9 @@ SS_EP1 = Fp4GemmConfig(BM=64, BN=256, BK=64, num_warps=8, num_stages=4, swap=Fal
 # EP1 (call 2's sweep): 3.287 / 3.306 ms against SS_EP1's 4.087 / 3.958, race-free in 8 repeats.
 SWAP1WG_EP4 = Fp4GemmConfig(BM=128, BN=128, BK=64, num_warps=4, num_stages=3, swap=True, decode="asm", progs_per_sm=2)
 SWAP1WG_EP1 = Fp4GemmConfig(BM=64, BN=128, BK=64, num_warps=4, num_stages=4, swap=True, decode="asm", progs_per_sm=2)
+# Swapped, two warpgroups: the defaults of rounds 2-3, racy with Triton 3.6 (below); only with MINIDI_FP4_SWAP=1.
+SWAP2WG_EP4 = Fp4GemmConfig(BM=256, BN=128, BK=64, num_warps=8, num_stages=3, swap=True, decode="asm")
+SWAP2WG_EP1 = Fp4GemmConfig(BM=64, BN=128, BK=128, num_warps=8, num_stages=4, swap=True, decode="asm")
 
 
 # The swapped tiles feed the decoded weights to the Hopper MMA from registers ("RS" wgmma). With Triton 3.6 on the
@@ -98,23 +101,18 @@ def _is_ep4_like(r: int, e: int) -> bool:
 
 
 def default_config(r: int, e: int, n: int, k: int, dtype: torch.dtype, device: torch.device) -> Fp4GemmConfig:
-    """Heuristic by mean rows per expert. GPU bf16: the "asm" decode (compiles on Triton 3.6 and 3.9; sm_90 SASS of
-    BM 256: 313 instructions per 64-wide K step, no spills, 112 KB smem, vs 568 and 60 B of spills per 128-wide step
-    for the measured "scaled" BM 256), falling back to ``SCALED_*`` (see ``fallback_chain``)."""
+    """Heuristic by mean rows per expert. GPU bf16: the "asm" decode in swapped tiles of one warpgroup
+    (``SWAP1WG_*``; ``SWAP2WG_*`` with MINIDI_FP4_SWAP=1), falling back to ``SCALED_*`` (see ``fallback_chain``)."""
     if device.type != "cuda":  # interpreter: small tiles keep the numpy emulation fast
         return Fp4GemmConfig(BM=32, BN=32, BK=64, num_warps=4, num_stages=1,
                              decode="asm" if dtype == torch.bfloat16 else "manual", progs=4)
     if dtype == torch.float32:  # test mode: IEEE fp32 dot, manual decode
         return Fp4GemmConfig(BM=64, BN=64, BK=32, num_warps=4, num_stages=2, decode="manual")
-    swap = swap_tiles_enabled()
-    if _is_ep4_like(r, e):  # EP4-like (256 rows per expert): few row tiles per expert, decode amortised
-        if not swap:
-            return SWAP1WG_EP4
-        return Fp4GemmConfig(BM=256, BN=128, BK=64, num_warps=8, num_stages=3, swap=True, decode="asm")
-    # EP1-like (64 rows per expert): every expert's weights decoded once per column tile
-    if swap:
-        return Fp4GemmConfig(BM=64, BN=128, BK=128, num_warps=8, num_stages=4, swap=True, decode="asm")
-    return SWAP1WG_EP1
+    # EP4-like (256 rows per expert): few row tiles per expert, decode amortised; EP1-like (64 rows per expert):
+    # every expert's weights decoded once per column tile
+    if swap_tiles_enabled():
+        return SWAP2WG_EP4 if _is_ep4_like(r, e) else SWAP2WG_EP1
+    return SWAP1WG_EP4 if _is_ep4_like(r, e) else SWAP1WG_EP1
 
 
 def fallback_chain(r: int, e: int, n: int, k: int, dtype: torch.dtype, device: torch.device) -> list[Fp4GemmConfig]:

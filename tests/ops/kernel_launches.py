@@ -99,12 +99,10 @@ def fp4_gpu_configs(recorded: list[dict]) -> list[dict]:
     """The FP4 GEMM's GPU tile configs (defaults and fallbacks; interpreter tests run only small tiles), as launches
     derived from a recorded bf16 launch."""
     from minidi.ops.fp4_grouped_gemm_configs import (DECODES, SCALED_EP1, SCALED_EP4, SS_EP1, SS_EP4, SWAP1WG_EP1,
-                                                     SWAP1WG_EP4, Fp4GemmConfig)
+                                                     SWAP1WG_EP4, SWAP2WG_EP1, SWAP2WG_EP4)
 
     base = next(e for e in recorded if e["name"] == "_fp4_grouped_mm_kernel" and not e["constexprs"]["IS_FP32"])
-    configs = [SWAP1WG_EP4, Fp4GemmConfig(BM=256, BN=128, BK=64, num_warps=8, num_stages=3, swap=True), SS_EP4,
-               Fp4GemmConfig(BM=64, BN=128, BK=128, num_warps=8, num_stages=4, swap=True), SWAP1WG_EP1, SS_EP1,
-               SCALED_EP4, SCALED_EP1]
+    configs = [SWAP1WG_EP4, SWAP2WG_EP4, SS_EP4, SWAP2WG_EP1, SWAP1WG_EP1, SS_EP1, SCALED_EP4, SCALED_EP1]
     out = []
     for c in configs:
         for rows in (False, True) if c is configs[0] else (False,):  # rows= with the EP4 default only

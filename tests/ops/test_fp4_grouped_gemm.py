@@ -23,8 +23,9 @@ from minidi.ops.fp4_grouped_gemm import (
     fp4_grouped_mm_ref,
     launch,
 )
-from minidi.ops.fp4_grouped_gemm_configs import (SS_EP1, SS_EP4, SWAP1WG_EP1, SWAP1WG_EP4, default_config,
-                                                 multi_warpgroup_swap, ptxas_version, swap_tiles_enabled)
+from minidi.ops.fp4_grouped_gemm_configs import (SS_EP1, SS_EP4, SWAP1WG_EP1, SWAP1WG_EP4, SWAP2WG_EP1,
+                                                 SWAP2WG_EP4, default_config, multi_warpgroup_swap, ptxas_version,
+                                                 swap_tiles_enabled)
 
 gpu = pytest.mark.gpu
 
@@ -310,8 +311,8 @@ def test_fallback_chain_is_fast_and_failures_are_remembered(monkeypatch):
 # ---- GPU (realistic sizes) ---------------------------------------------------------------------------------------
 GPU_CONFIGS = [
     None,  # the op's default (its fallbacks make the test fail: see the warning filter)
-    Fp4GemmConfig(BM=256, BN=128, BK=64, num_warps=8, num_stages=3, swap=True, decode="asm"),  # MINIDI_FP4_SWAP=1
-    Fp4GemmConfig(BM=64, BN=128, BK=128, num_warps=8, num_stages=4, swap=True, decode="asm"),  # MINIDI_FP4_SWAP=1
+    SWAP2WG_EP4,  # MINIDI_FP4_SWAP=1
+    SWAP2WG_EP1,  # MINIDI_FP4_SWAP=1
     Fp4GemmConfig(BM=256, BN=128, BK=64, num_warps=8, num_stages=3, swap=False, decode="asm"),
     SWAP1WG_EP4,  # default, EP4-like
     SS_EP4,
@@ -417,8 +418,9 @@ def test_register_operand_tiles_only_on_request(monkeypatch):
             assert not multi_warpgroup_swap(default_config(r, e, 2304, 5120, torch.bfloat16, cuda))
     monkeypatch.setenv("MINIDI_FP4_SWAP", "1")
     assert swap_tiles_enabled()
-    assert multi_warpgroup_swap(default_config(24576, 96, 2304, 5120, torch.bfloat16, cuda))
-    assert multi_warpgroup_swap(default_config(24576, 384, 2304, 5120, torch.bfloat16, cuda))
+    assert default_config(24576, 96, 2304, 5120, torch.bfloat16, cuda) == SWAP2WG_EP4
+    assert default_config(24576, 384, 2304, 5120, torch.bfloat16, cuda) == SWAP2WG_EP1
+    assert multi_warpgroup_swap(SWAP2WG_EP4) and multi_warpgroup_swap(SWAP2WG_EP1)
     assert not multi_warpgroup_swap(SWAP1WG_EP4) and not multi_warpgroup_swap(SS_EP4)
     v = ptxas_version()
     assert v is None or (isinstance(v, tuple) and len(v) == 2 and all(isinstance(p, int) for p in v))
