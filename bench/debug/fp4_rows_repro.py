@@ -56,7 +56,7 @@ CONFIGS = {
 
 def parse_config(spec: str) -> Fp4GemmConfig:
     """'BM=256,BN=128,swap=1,decode=asm' -> Fp4GemmConfig (fields not named keep their defaults)."""
-    fields = {f.name: f.type for f in dataclasses.fields(Fp4GemmConfig)}
+    fields = {f.name for f in dataclasses.fields(Fp4GemmConfig)}
     kw = {}
     for item in filter(None, spec.split(",")):
         key, _, value = item.partition("=")
