@@ -1,6 +1,6 @@
 """Weight formats and fake-quant, in plain torch (spec V4.1 §11-12, V4 §10).
 
-Storage formats (checkpoint):
+Storage formats (checkpoint; the decoders and constants are ``minidi.formats``, re-exported here):
 - FP8: ``float8_e4m3fn`` [out, in] + ``float8_e8m0fnu`` scale [ceil(out/B), ceil(in/B)]; W = q * 2^(e-127) per BxB tile
   (B = 32 in V4.1, 128 in V4).
 - FP4 experts: ``int8`` [out, in/2], element 2i = low nibble, 2i+1 = high nibble; nibble bit 3 = sign, low 3 bits index
@@ -17,34 +17,10 @@ import math
 
 import torch
 
-E4M3_MAX = 448.0
-E2M1_MAX = 6.0
-# code -> value, codes 0..15 (bit 3 = sign)
-E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-
-
-# ---- E8M0 --------------------------------------------------------------------------------------------------------
-def e8m0_to_float(scale: torch.Tensor) -> torch.Tensor:
-    """E8M0 bytes (``float8_e8m0fnu`` or ``uint8``) -> fp32 powers of two, exact; 0 -> 2^-127, 255 -> NaN."""
-    b = scale.view(torch.uint8).to(torch.int32)
-    bits = torch.where(b == 0, torch.full_like(b, 0x00400000), b << 23)  # 2^-127 is the fp32 subnormal 0x00400000
-    bits = torch.where(b == 255, torch.full_like(b, 0x7FC00000), bits)  # NaN
-    return bits.view(torch.float32)
-
-
-def float_to_e8m0(pow2: torch.Tensor) -> torch.Tensor:
-    """Exact powers of two in [2^-127, 2^127] (fp32) -> ``float8_e8m0fnu`` codes."""
-    bits = pow2.float().view(torch.int32)
-    code = torch.where(bits == 0x00400000, torch.zeros_like(bits), (bits >> 23) & 0xFF)
-    return code.to(torch.uint8).view(torch.float8_e8m0fnu)
-
-
-def _pow2_ceil(y: torch.Tensor) -> torch.Tensor:
-    """2^ceil(log2(y)) for positive normal fp32 ``y``, exact (bit arithmetic, no log rounding)."""
-    bits = y.view(torch.int32)
-    exp = (bits >> 23) & 0xFF
-    exp = exp + ((bits & 0x7FFFFF) != 0).to(torch.int32)
-    return (exp << 23).view(torch.float32)
+# The formats themselves (E8M0 / e2m1 decode, the grids, the e4m3 max) live in the leaf module minidi.formats, shared
+# with the ops' references; re-exported here for the model's modules.
+from minidi.formats import (E2M1_GRID, E2M1_MAX, E4M3_MAX, dequant_fp4, e2m1_grid, e8m0_to_float,  # noqa: F401
+                            float_to_e8m0, pow2_ceil, unpack_fp4_codes)
 
 
 # ---- FP8 block weights ---------------------------------------------------------------------------------------------
@@ -67,31 +43,12 @@ def quantize_fp8(w: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tenso
     wp = torch.nn.functional.pad(w.float(), (0, pi, 0, po))
     tiles = wp.view((out + po) // block, block, (inp + pi) // block, block)
     amax = tiles.abs().amax(dim=(1, 3)).clamp_min(1e-30)
-    s = _pow2_ceil(amax / E4M3_MAX)
+    s = pow2_ceil(amax / E4M3_MAX)
     q = (w.float() / _expand_tiles(s, out, inp, block, block)).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
     return q, float_to_e8m0(s)
 
 
 # ---- FP4 (e2m1) --------------------------------------------------------------------------------------------------
-def e2m1_grid(device: torch.device | str = "cpu") -> torch.Tensor:
-    """Value of each 4-bit code 0..15, fp32 [16]."""
-    g = torch.tensor(E2M1_GRID, dtype=torch.float32, device=device)
-    return torch.cat([g, -g])
-
-
-def unpack_fp4_codes(packed: torch.Tensor) -> torch.Tensor:
-    """int8/uint8 [..., n/2] -> codes int64 [..., n]; element 2i = low nibble, 2i+1 = high nibble."""
-    b = packed.view(torch.uint8).to(torch.int64)
-    return torch.stack([b & 0xF, b >> 4], dim=-1).flatten(-2)
-
-
-def dequant_fp4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, block: int = 32) -> torch.Tensor:
-    """Packed e2m1 [..., out, in/2] x E8M0 [..., out, in/block] -> ``dtype`` [..., out, in]."""
-    vals = e2m1_grid(packed.device)[unpack_fp4_codes(packed)]
-    s = e8m0_to_float(scale).repeat_interleave(block, dim=-1)
-    return (vals * s).to(dtype)
-
-
 def round_e2m1(x: torch.Tensor) -> torch.Tensor:
     """Round fp32 values with |x| <= 6 to the e2m1 grid, ties to the even code (0.25->0, 0.75->1, 2.5->2, 5->4)."""
     a = x.abs()
@@ -111,7 +68,7 @@ def quantize_fp4(w: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.
     """fp32 [..., out, in] -> (packed int8 [..., out, in/2], E8M0 [..., out, in/block]), power-of-two scales."""
     *lead, inp = w.shape
     g = w.float().reshape(*lead, inp // block, block)
-    s = _pow2_ceil(g.abs().amax(-1).clamp_min(E2M1_MAX * 2.0**-126) / E2M1_MAX)
+    s = pow2_ceil(g.abs().amax(-1).clamp_min(E2M1_MAX * 2.0**-126) / E2M1_MAX)
     q = round_e2m1((g / s.unsqueeze(-1)).clamp(-E2M1_MAX, E2M1_MAX)).reshape(*lead, inp)
     c = e2m1_codes(q).reshape(*lead, inp // 2, 2)
     packed = (c[..., 0] | (c[..., 1] << 4)).view(torch.int8)
@@ -128,7 +85,7 @@ def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
 def fq8(x: torch.Tensor, block: int) -> torch.Tensor:
     """e4m3 fake-quant per ``block`` channels, scale 2^ceil(log2(max(amax, 1e-4)/448))."""
     g = _blocks(x, block)
-    s = _pow2_ceil(g.abs().amax(-1, keepdim=True).clamp_min(1e-4) / E4M3_MAX)
+    s = pow2_ceil(g.abs().amax(-1, keepdim=True).clamp_min(1e-4) / E4M3_MAX)
     q = (g / s).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).float() * s
     return q.flatten(-2).to(x.dtype)
 
@@ -136,7 +93,7 @@ def fq8(x: torch.Tensor, block: int) -> torch.Tensor:
 def fq4_ue8m0(x: torch.Tensor, block: int = 32) -> torch.Tensor:
     """e2m1 fake-quant per ``block`` channels, power-of-two scale 2^ceil(log2(max(amax, 6*2^-126)/6))."""
     g = _blocks(x, block)
-    s = _pow2_ceil(g.abs().amax(-1, keepdim=True).clamp_min(E2M1_MAX * 2.0**-126) / E2M1_MAX)
+    s = pow2_ceil(g.abs().amax(-1, keepdim=True).clamp_min(E2M1_MAX * 2.0**-126) / E2M1_MAX)
     return (round_e2m1((g / s).clamp(-E2M1_MAX, E2M1_MAX)) * s).flatten(-2).to(x.dtype)
 
 

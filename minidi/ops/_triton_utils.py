@@ -1,37 +1,30 @@
-"""Shared helpers for minidi's Triton ops (CPU interpreter support, backend choice).
+"""Shared helpers for minidi's Triton ops: which backend runs, interpreter-safe dots, the SM count.
 
-Triton's CPU interpreter (``TRITON_INTERPRET=1``) cannot do bf16 arithmetic: it stores bf16 as uint16 and ``tl.dot``
-multiplies the raw bit patterns (PITFALLS.md). Kernels therefore do all arithmetic in fp32 after loading, and feed
-``tl.dot`` through ``dot`` below, which upcasts its operands only when the ``INTERPRET`` constexpr says the
-interpreter is running; on the GPU the operands stay bf16 and use tensor cores.
+Backends: every op takes ``backend="auto" | "triton" | "ref"``. "triton" runs the kernel and raises a clear error
+where it cannot run; "ref" runs the plain-torch reference; "auto" (the default) runs the kernel where it can run
+(CUDA tensors, or CPU tensors under the Triton interpreter) and the reference elsewhere, so that the ops, and the
+passes that insert them, work on a CPU without any environment variable.
+
+Whether the interpreter runs is decided by Triton when a kernel is decorated (``triton.jit`` returns an
+``InterpretedFunction`` when ``TRITON_INTERPRET=1`` is set at import), not when it is called: ``INTERPRETER`` reads
+that decision off a decorated function, so setting the variable after ``minidi.ops`` was imported changes nothing.
+
+Triton's CPU interpreter cannot do bf16 arithmetic: it stores bf16 as uint16 and ``tl.dot`` multiplies the raw bit
+patterns (PITFALLS.md). Kernels therefore do all arithmetic in fp32 after loading, and feed ``tl.dot`` through
+``dot`` / ``mma`` below, which upcast their operands only when the ``INTERPRET`` constexpr says the interpreter is
+running; on the GPU the operands stay bf16 and use tensor cores.
 """
 
 from __future__ import annotations
 
-import os
+import functools
 
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
 
-BACKENDS = ("triton", "ref")
-
-
-def interpreting() -> bool:
-    """True when Triton kernels run in the CPU interpreter (read at call time)."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def triton_can_run(*tensors: torch.Tensor) -> bool:
-    """Kernels run on CUDA tensors, or on CPU tensors under the interpreter."""
-    on_cuda = all(t.is_cuda for t in tensors)
-    on_cpu = all(t.device.type == "cpu" for t in tensors)
-    return on_cuda or (on_cpu and interpreting())
-
-
-def check_backend(backend: str) -> None:
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+BACKENDS = ("auto", "triton", "ref")
 
 
 @triton.jit
@@ -43,6 +36,70 @@ def dot(a, b, acc, INTERPRET: tl.constexpr):
 
 
 @triton.jit
+def mma(a, b, acc, IEEE: tl.constexpr, INTERPRET: tl.constexpr):
+    """acc + a @ b. IEEE: exact fp32 products (fp32 operands, not tf32); else bf16/fp16 tensor cores. Interpreter:
+    fp32 operands (its bf16 dot is wrong; its fp32 dot is exact either way)."""
+    if IEEE:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    return dot(a, b, acc, INTERPRET)
+
+
+@triton.jit
 def local_row_count(offs_ptr, E, R):
     """Rows below offs[E-1] (this rank's experts' rows, sorted first), clamped to [0, R]; read on the device."""
     return tl.minimum(tl.maximum(tl.load(offs_ptr + E - 1), 0), R)
+
+
+INTERPRETER: bool = isinstance(dot, InterpretedFunction)
+"""True when minidi's kernels were decorated under ``TRITON_INTERPRET=1`` (they then run on CPU tensors)."""
+
+
+def interpreting() -> bool:
+    """True when the kernels run in Triton's CPU interpreter (decided when they were decorated; see above)."""
+    return INTERPRETER
+
+
+def triton_can_run(*tensors: torch.Tensor | None) -> bool:
+    """Kernels run on CUDA tensors, or on CPU tensors under the interpreter (``None`` entries are skipped)."""
+    ts = [t for t in tensors if t is not None]
+    on_cuda = all(t.is_cuda for t in ts)
+    on_cpu = all(t.device.type == "cpu" for t in ts)
+    return on_cuda or (on_cpu and interpreting())
+
+
+def check_backend(backend: str) -> None:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+
+
+def cannot_run(op: str, *tensors: torch.Tensor | None) -> RuntimeError:
+    """The error of backend='triton' on tensors the kernels cannot run on; its hint names backends that work."""
+    devices = sorted({str(t.device) for t in tensors if t is not None})
+    return RuntimeError(
+        f"{op}: backend='triton' needs CUDA tensors, or CPU tensors with TRITON_INTERPRET=1 set before minidi.ops is "
+        f"imported (got tensors on {', '.join(devices)}, interpreter {'on' if interpreting() else 'off'}); "
+        "use backend='auto' (the kernel where it can run, else the plain-torch reference) or backend='ref' "
+        "(op_backend= in minidi.compile)")
+
+
+def resolve_backend(backend: str, op: str, *tensors: torch.Tensor | None) -> str:
+    """"auto" -> "triton" where the kernels can run on ``tensors``, else "ref"; "triton" where they cannot -> the
+    ``cannot_run`` error; "ref" -> "ref". Called at call time (also while tracing: fake tensors carry the device)."""
+    check_backend(backend)
+    if backend == "ref":
+        return "ref"
+    if triton_can_run(*tensors):
+        return "triton"
+    if backend == "auto":
+        return "ref"
+    raise cannot_run(op, *tensors)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (sizes persistent grids)."""
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())

@@ -40,40 +40,32 @@ Legend: R rows (sorted by expert), E experts, N output columns, K input columns,
 
 from __future__ import annotations
 
-import functools
 import warnings
-from typing import Optional
-
 import torch
 import triton
 import triton.language as tl
 
-from ._formats import e8m0_to_float as _e8m0_to_float
+from minidi.formats import FP4_BLOCK, dequant_fp4
+
 from .fp4_grouped_gemm_configs import (DECODES, SCALED_EP1, SCALED_EP4, SCALED_SMALL, Fp4GemmConfig,  # noqa: F401
                                        default_config, fallback_chain)
-from ._triton_utils import check_backend, dot, interpreting, triton_can_run
+from ._triton_utils import cannot_run, dot, interpreting, num_sms, resolve_backend, triton_can_run
 
 X_DTYPES = (torch.bfloat16, torch.float32)
 PACKED_DTYPES = (torch.int8, torch.uint8)
 SCALE_DTYPES = (torch.float8_e8m0fnu, torch.uint8)
-FP4_BLOCK = 32
 
 
 # ---- reference (oracle and fallback) -------------------------------------------------------------------------------
 def fp4_dequant_ref(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Plain torch. packed int8 [..., N, K/2] + E8M0 [..., N, K/32] -> ``dtype`` [..., N, K] (exact in fp32)."""
-    g = torch.tensor((0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0), device=packed.device)
-    grid = torch.cat([g, -g])  # [16] value of each 4-bit code
-    b = packed.view(torch.uint8).long()
-    vals = grid[torch.stack([b & 0xF, b >> 4], dim=-1).flatten(-2)]  # [..., N, K]
-    return (vals * _e8m0_to_float(scale).repeat_interleave(FP4_BLOCK, dim=-1)).to(dtype)
+    """packed int8 [..., N, K/2] + E8M0 [..., N, K/32] -> ``dtype`` [..., N, K] (exact in fp32): the format's own
+    decode, ``minidi.formats.dequant_fp4`` (the kernel's ``_decode_e2m1`` / ``_decode_e2m1_asm`` are its twins)."""
+    return dequant_fp4(packed, scale, dtype)
 
 
 def fp4_grouped_mm_ref(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor,
-                       offs: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+                       offs: torch.Tensor) -> torch.Tensor:
     """Plain torch, one expert at a time in fp32 (host sync on ``offs``). Same contract as ``fp4_grouped_mm``."""
-    if rows is not None:
-        x = x[rows]
     r, n = x.shape[0], w_packed.shape[1]
     out = torch.zeros(r, n, dtype=torch.float32, device=x.device)
     start = 0
@@ -89,7 +81,9 @@ def fp4_grouped_mm_ref(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.T
 # ---- kernel --------------------------------------------------------------------------------------------------------
 @triton.jit
 def _decode_e2m1(p, s, BN: tl.constexpr, BK: tl.constexpr, OUT: tl.constexpr):
-    """packed uint8 [BN, BK/2] + E8M0 codes uint8 [BN, BK/32] -> weights [BN, BK] in ``OUT`` (bf16/fp32), exact."""
+    """packed uint8 [BN, BK/2] + E8M0 codes uint8 [BN, BK/32] -> weights [BN, BK] in ``OUT`` (bf16/fp32), exact.
+    Twin of ``minidi.formats.dequant_fp4`` in integer/fp32 arithmetic (a kernel cannot call torch); the op tests
+    hold the two equal on every code and edge scale (test_fp4_grouped_gemm.py::test_decode_matches_formats)."""
     c = p.to(tl.int32)
     c = tl.reshape(tl.join(c & 0xF, c >> 4), (BN, BK))  # [BN, BK] codes; element 2i = low nibble
     h = (((c & 7) << 9) | ((c & 8) << 12)).to(tl.int16).to(tl.float16, bitcast=True)  # value * 2^-14, exact
@@ -147,13 +141,12 @@ def _decode_e2m1_asm(p, s, BN: tl.constexpr, BK: tl.constexpr):
 
 @triton.jit
 def _fp4_grouped_mm_kernel(
-        x_ptr, w_ptr, s_ptr, offs_ptr, out_ptr, rows_ptr,
+        x_ptr, w_ptr, s_ptr, offs_ptr, out_ptr,
         R, N, K, E, NUM_PROGS,
         stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_om,
         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, E_POW2: tl.constexpr,
         SWAP: tl.constexpr, DECODE: tl.constexpr, EVEN_K: tl.constexpr, SCALE32: tl.constexpr,
-        IS_FP32: tl.constexpr, HAS_ROWS: tl.constexpr,
-        INTERPRET: tl.constexpr):
+        IS_FP32: tl.constexpr, INTERPRET: tl.constexpr):
     """out[r, n] = sum_k x[r, k] * W[e(r), n, k], W decoded from (w_ptr, s_ptr) in the K loop; see module doc."""
     pid = tl.program_id(0)
     # device-side schedule: m-tiles of each expert; rows past offs[E-1] own no tile (never written, as _grouped_mm)
@@ -178,11 +171,7 @@ def _fp4_grouped_mm_kernel(
         m_end = tl.sum(tl.where(sel, ends, 0), 0)
         rows = m0 + tl.arange(0, BM)  # [BM]
         cols = nt * BN + tl.arange(0, BN)  # [BN]
-        rows_ld = tl.minimum(rows, R - 1).to(tl.int64)  # clamped: in bounds, masked at the store
-        if HAS_ROWS:  # output row r multiplies x row rows[r]: the gather happens in the load path
-            src = tl.load(rows_ptr + rows_ld).to(tl.int64)
-        else:
-            src = rows_ld
+        src = tl.minimum(rows, R - 1).to(tl.int64)  # clamped: in bounds, masked at the store
         cols_ld = tl.minimum(cols, N - 1)
         e_ld = tl.minimum(e, E - 1).to(tl.int64)
         kx = tl.arange(0, BK)
@@ -260,19 +249,14 @@ def _fp4_grouped_mm_kernel(
             tl.store(o_ptrs, y, mask=row_ok[:, None] & col_ok[None, :])
 
 
-# ---- launch (configs: fp4_grouped_gemm_configs.py) --------------------------------------------------------------------------------------------
-@functools.lru_cache(maxsize=None)
-def _num_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
+# ---- launch (configs: fp4_grouped_gemm_configs.py) -----------------------------------------------------------------
 def launch(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor, offs: torch.Tensor, out: torch.Tensor,
-           config: Fp4GemmConfig | None = None, rows: torch.Tensor | None = None) -> None:
-    """Checked tensors (unit last-dim strides): x [R, K] (or [Rx, K] with ``rows`` [R] int, output row r reading x
-    row rows[r]), w_packed [E, N, K/2], w_scale [E, N, K/32], offs [E] int32, out [R, N] in x's dtype. Writes the
-    rows below offs[-1] of ``out``; the rows past it are left as they are (torch._grouped_mm's contract)."""
-    k = x.shape[1]
-    r = x.shape[0] if rows is None else rows.shape[0]
+           config: Fp4GemmConfig | None = None) -> None:
+    """Checked tensors (unit last-dim strides): x [R, K], w_packed [E, N, K/2], w_scale [E, N, K/32], offs [E] int32,
+    out [R, N] in x's dtype. Writes the rows below offs[-1] of ``out``; the rows past it are left as they are
+    (torch._grouped_mm's contract). ``config``: the default's heuristic unless given (experiments pass the named
+    configs of fp4_grouped_gemm_configs.py)."""
+    r, k = x.shape
     e, n = w_packed.shape[:2]
     if r == 0 or n == 0:
         return
@@ -291,7 +275,7 @@ def launch(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor, offs:
     if cfg.progs is not None:
         progs = cfg.progs
     elif x.is_cuda:
-        progs = _num_sms(x.device.index or 0) * cfg.progs_per_sm
+        progs = num_sms(x.device) * cfg.progs_per_sm
     else:
         progs = 4
     progs = max(1, min(progs, max_tiles))
@@ -301,12 +285,11 @@ def launch(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor, offs:
     scale32 = (k % 128 == 0 and cfg.BK <= 128 and w_scale.stride(0) % 4 == 0 and w_scale.stride(1) % 4 == 0
                and w_scale.data_ptr() % 4 == 0)
     _fp4_grouped_mm_kernel[(progs,)](
-        x, w_packed.view(torch.uint8), w_scale.view(torch.uint8), offs, out, offs if rows is None else rows,
+        x, w_packed.view(torch.uint8), w_scale.view(torch.uint8), offs, out,
         r, n, k, e, progs,
         x.stride(0), w_packed.stride(0), w_packed.stride(1), w_scale.stride(0), w_scale.stride(1), out.stride(0),
         BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, E_POW2=e_pow2, SWAP=cfg.swap, DECODE=DECODES.index(cfg.decode),
-        EVEN_K=even_k, SCALE32=scale32, IS_FP32=x.dtype == torch.float32, HAS_ROWS=rows is not None,
-        INTERPRET=interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        EVEN_K=even_k, SCALE32=scale32, IS_FP32=x.dtype == torch.float32, INTERPRET=interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 _GOOD: set[tuple] = set()  # (config, dtype, device type) that compiled and launched
@@ -314,7 +297,7 @@ _BAD: set[tuple] = set()  # ... that failed to compile/launch: never retried (a 
 
 
 def _launch_with_fallback(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor, offs: torch.Tensor,
-                          out: torch.Tensor, rows: torch.Tensor | None = None) -> Fp4GemmConfig:
+                          out: torch.Tensor) -> Fp4GemmConfig:
     """Run the first config of ``fallback_chain`` that is not known to fail. A config that fails to compile or launch
     (Triton versions differ in ``dot_scaled``/inline-asm support and shared-memory use) is remembered as bad, with
     one warning, and the next known-good config runs. The last config of the chain re-raises. Returns the config."""
@@ -324,11 +307,11 @@ def _launch_with_fallback(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torc
     for i, c in enumerate(live):
         key = (c, x.dtype, x.device.type)
         if key in _GOOD or i == len(live) - 1:
-            launch(x, w_packed, w_scale, offs, out, c, rows)
+            launch(x, w_packed, w_scale, offs, out, c)
             _GOOD.add(key)
             return c
         try:
-            launch(x, w_packed, w_scale, offs, out, c, rows)
+            launch(x, w_packed, w_scale, offs, out, c)
             _GOOD.add(key)
             return c
         except Exception as err:  # compile-time failure of this config only (a known-good config re-raises above)
@@ -382,25 +365,35 @@ def _unit_last(t: torch.Tensor) -> torch.Tensor:
 # ---- custom op -----------------------------------------------------------------------------------------------------
 @torch.library.custom_op("minidi::fp4_grouped_mm", mutates_args=())
 def _fp4_grouped_mm_op(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor,
-                       offs: torch.Tensor, rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+                       offs: torch.Tensor) -> torch.Tensor:
     if not triton_can_run(x, w_packed, w_scale, offs):
-        raise RuntimeError(f"minidi::fp4_grouped_mm: Triton needs CUDA tensors, or CPU tensors with "
-                           f"TRITON_INTERPRET=1 (got {x.device}); use backend='ref'")
+        raise cannot_run("minidi::fp4_grouped_mm", x, w_packed, w_scale, offs)
     x, w_packed, w_scale = _unit_last(x), _unit_last(w_packed), _unit_last(w_scale)
-    r = x.shape[0] if rows is None else rows.shape[0]
-    out = torch.empty(r, w_packed.shape[1], dtype=x.dtype, device=x.device)
-    _launch_with_fallback(x, w_packed, w_scale, offs.contiguous(), out, None if rows is None else rows.contiguous())
+    out = torch.empty(x.shape[0], w_packed.shape[1], dtype=x.dtype, device=x.device)
+    _launch_with_fallback(x, w_packed, w_scale, offs.contiguous(), out)
     return out
 
 
 @_fp4_grouped_mm_op.register_fake
-def _(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor, offs: torch.Tensor,
-      rows: Optional[torch.Tensor] = None) -> torch.Tensor:
-    return x.new_empty(x.shape[0] if rows is None else rows.shape[0], w_packed.shape[1])
+def _(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], w_packed.shape[1])
+
+
+# The reference behind a custom op too: its host loop over experts (``offs.tolist()``) cannot be traced, so pass D
+# inserts it as one opaque call (its fake gives the shape), exactly as it inserts the kernel.
+@torch.library.custom_op("minidi::fp4_grouped_mm_ref", mutates_args=())
+def _fp4_grouped_mm_ref_op(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor,
+                           offs: torch.Tensor) -> torch.Tensor:
+    return fp4_grouped_mm_ref(x, w_packed, w_scale, offs)
+
+
+@_fp4_grouped_mm_ref_op.register_fake
+def _(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], w_packed.shape[1])
 
 
 def fp4_grouped_mm(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor, offs: torch.Tensor,
-                   backend: str = "triton", rows: torch.Tensor | None = None) -> torch.Tensor:
+                   backend: str = "auto") -> torch.Tensor:
     """Grouped GEMM over experts with FP4 weights decoded in the kernel's load path.
 
     x [R, K] bf16 | fp32, rows sorted by expert; w_packed [E, N, K/2] int8 (two e2m1 codes per byte, element 2i in
@@ -408,27 +401,11 @@ def fp4_grouped_mm(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tenso
     offs[-1] <= R). Returns y [R, N] in x's dtype,
     y[r] = x[r] @ dequant(w)[e(r)].T with fp32 accumulation for r < offs[-1]; the rows past offs[-1] (other ranks'
     experts in the MoE) are not written and hold garbage, as with ``torch._grouped_mm`` (the ref backend gives
-    zeros there), so that no time goes to rows nobody reads. ``backend``: "triton" or "ref" (plain torch).
-    ``rows`` [R] int (optional): the GEMM of ``x[rows]`` without building it (the kernel reads x row rows[r] for
-    output row r; the MoE's token -> sorted-row gather, pass D). Its values must lie in [0, x.shape[0]): checked
-    by the ref backend and on CPU tensors only (a device check would sync).
+    zeros there), so that no time goes to rows nobody reads. ``backend``: "auto" (the kernel where it can run, else
+    the reference), "triton" or "ref" (plain torch, one expert at a time; traceable: an opaque custom op).
     """
-    check_backend(backend)
     _check(x, w_packed, w_scale, offs)
-    if rows is not None:
-        _check_rows(rows, x)
-    if backend == "ref":
-        return fp4_grouped_mm_ref(x, w_packed, w_scale, offs, rows)
-    return _fp4_grouped_mm_op(x, w_packed, w_scale, offs, rows)
+    if resolve_backend(backend, "fp4_grouped_mm", x, w_packed, w_scale, offs) == "ref":
+        return _fp4_grouped_mm_ref_op(x, w_packed, w_scale, offs)
+    return _fp4_grouped_mm_op(x, w_packed, w_scale, offs)
 
-
-def _check_rows(rows: torch.Tensor, x: torch.Tensor) -> None:
-    if rows.dim() != 1 or rows.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"fp4_grouped_mm: rows must be [R] int32/int64 (x row of each output row), got "
-                         f"{tuple(rows.shape)} {rows.dtype}")
-    if rows.device != x.device:
-        raise ValueError(f"fp4_grouped_mm: rows must be on x's device {x.device}, got {rows.device}")
-    if rows.device.type == "cpu" and rows.numel() and not torch.compiler.is_compiling():
-        lo, hi = int(rows.min()), int(rows.max())
-        if lo < 0 or hi >= x.shape[0]:
-            raise IndexError(f"fp4_grouped_mm: rows holds {lo if lo < 0 else hi}, outside x's {x.shape[0]} rows")

@@ -51,7 +51,8 @@ SS_EP1 = Fp4GemmConfig(BM=64, BN=256, BK=64, num_warps=8, num_stages=4, swap=Fal
 # EP1 (call 2's sweep): 3.287 / 3.306 ms against SS_EP1's 4.087 / 3.958, race-free in 8 repeats.
 SWAP1WG_EP4 = Fp4GemmConfig(BM=128, BN=128, BK=64, num_warps=4, num_stages=3, swap=True, decode="asm", progs_per_sm=2)
 SWAP1WG_EP1 = Fp4GemmConfig(BM=64, BN=128, BK=64, num_warps=4, num_stages=4, swap=True, decode="asm", progs_per_sm=2)
-# Swapped, two warpgroups: the defaults of rounds 2-3, racy with Triton 3.6 (below); only with MINIDI_FP4_SWAP=1.
+# Swapped, two warpgroups: the defaults of rounds 2-3, racy with Triton 3.6 (below); never a default, for experiments
+# that pass them explicitly (``fp4_grouped_gemm.launch(..., config=SWAP2WG_EP4)``, as the op bench's sweep does).
 SWAP2WG_EP4 = Fp4GemmConfig(BM=256, BN=128, BK=64, num_warps=8, num_stages=3, swap=True, decode="asm")
 SWAP2WG_EP1 = Fp4GemmConfig(BM=64, BN=128, BK=128, num_warps=8, num_stages=4, swap=True, decode="asm")
 
@@ -66,7 +67,7 @@ SWAP2WG_EP1 = Fp4GemmConfig(BM=64, BN=128, BK=128, num_warps=8, num_stages=4, sw
 # - Triton issue 11047 (fixed by PR 11056, after Triton 3.6): the wgmma wait does not synchronise across
 #   warpgroups, so one warpgroup can run ahead and overwrite what the other's MMAs still read. One warpgroup
 #   (num_warps=4) has nothing to synchronise with: no one-warpgroup swapped tile raced in round 5's sweep and repro.
-# So swapped tiles of several warpgroups are never a default, and are an opt-in for experiments: MINIDI_FP4_SWAP=1.
+# So swapped tiles of several warpgroups are never a default; experiments name them (``config=``).
 
 
 def multi_warpgroup_swap(cfg: Fp4GemmConfig) -> bool:
@@ -90,19 +91,13 @@ def ptxas_version() -> tuple[int, int] | None:
     return _ptxas_version(os.environ.get("TRITON_PTXAS_PATH"))
 
 
-def swap_tiles_enabled() -> bool:
-    """Whether the defaults may use swapped tiles of two warpgroups (``multi_warpgroup_swap``, racy with Triton 3.6):
-    only with MINIDI_FP4_SWAP=1."""
-    return os.environ.get("MINIDI_FP4_SWAP") == "1"
-
-
 def _is_ep4_like(r: int, e: int) -> bool:
     return r / max(e, 1) >= 160  # mean rows per expert, known on the host without a sync
 
 
 def default_config(r: int, e: int, n: int, k: int, dtype: torch.dtype, device: torch.device) -> Fp4GemmConfig:
     """Heuristic by mean rows per expert. GPU bf16: the "asm" decode in swapped tiles of one warpgroup
-    (``SWAP1WG_*``; ``SWAP2WG_*`` with MINIDI_FP4_SWAP=1), falling back to ``SCALED_*`` (see ``fallback_chain``)."""
+    (``SWAP1WG_*``), falling back to ``SCALED_*`` (see ``fallback_chain``). Never a ``multi_warpgroup_swap`` tile."""
     if device.type != "cuda":  # interpreter: small tiles keep the numpy emulation fast
         return Fp4GemmConfig(BM=32, BN=32, BK=64, num_warps=4, num_stages=1,
                              decode="asm" if dtype == torch.bfloat16 else "manual", progs=4)
@@ -110,8 +105,6 @@ def default_config(r: int, e: int, n: int, k: int, dtype: torch.dtype, device: t
         return Fp4GemmConfig(BM=64, BN=64, BK=32, num_warps=4, num_stages=2, decode="manual")
     # EP4-like (256 rows per expert): few row tiles per expert, decode amortised; EP1-like (64 rows per expert):
     # every expert's weights decoded once per column tile
-    if swap_tiles_enabled():
-        return SWAP2WG_EP4 if _is_ep4_like(r, e) else SWAP2WG_EP1
     return SWAP1WG_EP4 if _is_ep4_like(r, e) else SWAP1WG_EP1
 
 

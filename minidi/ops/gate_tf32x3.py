@@ -46,7 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._triton_utils import check_backend, interpreting, triton_can_run
+from ._triton_utils import cannot_run, interpreting, resolve_backend, triton_can_run
 
 IN_DTYPES = (torch.bfloat16, torch.float32)
 X_SPLITS = ("tf32", "bf16x3", "tf32x3_builtin")
@@ -183,8 +183,7 @@ def launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, x_split: st
 @torch.library.custom_op("minidi::gate_tf32x3", mutates_args=())
 def _gate_op(x: torch.Tensor, weight: torch.Tensor, x_split: str = "tf32") -> torch.Tensor:
     if not triton_can_run(x, weight):
-        raise RuntimeError("minidi::gate_tf32x3: Triton needs CUDA tensors, or CPU tensors with TRITON_INTERPRET=1 "
-                           f"(got {x.device}); use gate_tf32x3(..., backend='ref')")
+        raise cannot_run("minidi::gate_tf32x3", x, weight)
     x = x if x.stride(-1) == 1 else x.contiguous()
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()
     out = torch.empty((x.shape[0], weight.shape[0]), dtype=torch.float32, device=x.device)
@@ -197,14 +196,14 @@ def _(x: torch.Tensor, weight: torch.Tensor, x_split: str = "tf32") -> torch.Ten
     return x.new_empty((x.shape[0], weight.shape[0]), dtype=torch.float32)
 
 
-def gate_tf32x3(x: torch.Tensor, weight: torch.Tensor, backend: str = "triton", x_split: str = "tf32") -> torch.Tensor:
+def gate_tf32x3(x: torch.Tensor, weight: torch.Tensor, backend: str = "auto", x_split: str = "tf32") -> torch.Tensor:
     """fp32-accurate router logits on tensor cores.
 
     x [T, D] bf16/fp32, weight [E, D] bf16/fp32 -> [T, E] fp32 = x.float() @ weight.float().T, error at fp32 level
     (<= ~1e-6 of max |logit| on random data). ``x_split`` picks how an fp32 x meets a bf16 weight: "tf32" (2 tf32
     dots) or "bf16x3" (3 bf16 dots); "tf32x3_builtin" uses Triton's ``input_precision="tf32x3"`` (3 tf32 dots).
+    ``backend``: "auto" (the kernel where it can run, else the reference), "triton" or "ref" (plain torch, fp32).
     """
-    check_backend(backend)
     if x.dim() != 2 or x.dtype not in IN_DTYPES:
         raise ValueError(f"gate_tf32x3: x must be [T, D] in {IN_DTYPES}, got {tuple(x.shape)} {x.dtype}")
     if weight.dim() != 2 or weight.dtype not in IN_DTYPES or weight.shape[1] != x.shape[1]:
@@ -214,6 +213,6 @@ def gate_tf32x3(x: torch.Tensor, weight: torch.Tensor, backend: str = "triton", 
         raise ValueError(f"gate_tf32x3: x and weight must share a device, got {x.device}, {weight.device}")
     if x_split not in X_SPLITS:
         raise ValueError(f"gate_tf32x3: x_split must be one of {X_SPLITS}, got {x_split!r}")
-    if backend == "ref":
+    if resolve_backend(backend, "gate_tf32x3", x, weight) == "ref":
         return gate_tf32x3_ref(x, weight)
     return _gate_op(x, weight, x_split)

@@ -1,7 +1,7 @@
 """Lightning-indexer scores, fused: score[t, j] = sum_h w[t, h] * relu(q[t, h, :] . k[j, :]) (pass target B).
 
-Legend: T queries, N keys (compressed entries), H index heads, D index head dim, C candidate blocks per query,
-B candidate block size, QB queries per tile, BN keys per tile.
+Legend: T queries, N keys (compressed entries), H index heads, D index head dim, QB queries per tile, BN keys per
+tile.
 
 Kernel (dense): one program owns QB queries (QB*H rows of the MMA, query-major, head-minor) and a contiguous range
 of key blocks. q [QB*H, D] is loaded once; per key block the tensor cores compute k_blk [BN, D] @ q^T [D, QB*H]
@@ -25,21 +25,13 @@ import torch
 import triton
 import triton.language as tl
 
-from ._triton_utils import check_backend, dot, interpreting, triton_can_run
+from ._triton_utils import cannot_run, interpreting, mma, resolve_backend, triton_can_run
 from .topk import topk_indices_ref
 
 _QK_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 # ----------------------------------------------------------------------------------------------------------- kernels
-@triton.jit
-def _mma(a, b, acc, IEEE: tl.constexpr, INTERPRET: tl.constexpr):
-    """acc += a @ b; fp32 operands use exact fp32 (not tf32) products, 16-bit ones the bf16/fp16 tensor cores."""
-    if IEEE:
-        return tl.dot(a, b, acc, input_precision="ieee")
-    return dot(a, b, acc, INTERPRET)
-
-
 @triton.jit
 def _block(k_ptrs, kmask, qT, w, n, ks, ke, out_ptrs, smask, cmax_ptrs, tmask,
            QB: tl.constexpr, HP: tl.constexpr, BN: tl.constexpr, MASKED: tl.constexpr, KMASK: tl.constexpr,
@@ -51,7 +43,7 @@ def _block(k_ptrs, kmask, qT, w, n, ks, ke, out_ptrs, smask, cmax_ptrs, tmask,
         kt = tl.load(k_ptrs, mask=kmask, other=0.0)
     else:
         kt = tl.load(k_ptrs)
-    acc = _mma(kt, qT, tl.zeros((BN, QB * HP), dtype=tl.float32), IEEE, INTERPRET)  # [BN, QB*HP]
+    acc = mma(kt, qT, tl.zeros((BN, QB * HP), dtype=tl.float32), IEEE, INTERPRET)  # [BN, QB*HP]
     s = tl.maximum(acc, 0.0) * w[None, :]
     s = tl.sum(tl.reshape(s, (BN, QB, HP)), axis=2)  # [BN, QB]
     if MASKED:
@@ -138,40 +130,6 @@ def _score_kernel(
             tl.store(cmax_rows + nb, tl.full((QB,), float("-inf"), tl.float32), mask=tmask)
 
 
-@triton.jit
-def _cand_kernel(
-    q_ptr, k_ptr, w_ptr, cand_ptr, ks_ptr, ke_ptr, out_ptr, kidx_ptr,
-    T, N, H, C, bs, ncols, cols_per_prog,
-    stride_qt, stride_qh, stride_kn, stride_wt, stride_ct, stride_ot, stride_it,
-    D: tl.constexpr, DP: tl.constexpr, HP: tl.constexpr, BC: tl.constexpr,
-    IEEE: tl.constexpr, INTERPRET: tl.constexpr,
-):
-    t = tl.program_id(0)
-    c0 = tl.program_id(1) * cols_per_prog
-    c1 = tl.minimum(c0 + cols_per_prog, ncols)
-    h = tl.arange(0, HP)
-    d = tl.arange(0, DP)
-    q = tl.load(q_ptr + t.to(tl.int64) * stride_qt + h[:, None] * stride_qh + d[None, :],
-                mask=(h[:, None] < H) & (d[None, :] < D), other=0.0)  # [HP, DP]
-    qT = tl.trans(q)  # [DP, HP]
-    w = tl.load(w_ptr + t.to(tl.int64) * stride_wt + h, mask=h < H, other=0.0).to(tl.float32)  # [HP]
-    ks = tl.maximum(tl.load(ks_ptr + t).to(tl.int64), 0)
-    ke = tl.minimum(tl.load(ke_ptr + t).to(tl.int64), N)
-    for cs in range(c0, c1, BC):
-        col = cs + tl.arange(0, BC)  # [BC] output column = candidate slot * bs + offset in the block
-        cmask = col < c1
-        blk = tl.load(cand_ptr + t.to(tl.int64) * stride_ct + col // bs, mask=cmask, other=-1).to(tl.int64)
-        kid = blk * bs + col % bs  # [BC] key index
-        valid = cmask & (blk >= 0) & (kid >= ks) & (kid < ke)
-        kt = tl.load(k_ptr + kid[:, None] * stride_kn + d[None, :],
-                     mask=valid[:, None] & (d[None, :] < D), other=0.0)  # [BC, DP] gathered key rows
-        acc = _mma(kt, qT, tl.zeros((BC, HP), dtype=tl.float32), IEEE, INTERPRET)  # [BC, HP]
-        s = tl.sum(tl.maximum(acc, 0.0) * w[None, :], axis=1)  # [BC]
-        s = tl.where(valid, s, float("-inf"))
-        tl.store(out_ptr + t.to(tl.int64) * stride_ot + col, s.to(out_ptr.dtype.element_ty), mask=cmask)
-        tl.store(kidx_ptr + t.to(tl.int64) * stride_it + col, tl.where(valid, kid, -1), mask=cmask)
-
-
 # ---------------------------------------------------------------------------------------------------------- launchers
 def _pow2(x: int, lo: int = 1) -> int:
     return max(lo, triton.next_power_of_2(int(x)))
@@ -229,41 +187,14 @@ def _launch_score(q, k, w, k_start, k_end, out_dtype, want_cmax, out=None, cmax=
     return out, cmax
 
 
-def _launch_cand(q, k, w, cand_blocks, block_size, k_start, k_end, scores=None, kidx=None, BC=None, cols_per_prog=None,
-                 num_warps=None, num_stages=None, info=None):
-    t, h, d = q.shape
-    n, c = k.shape[0], cand_blocks.shape[1]
-    ncols = c * block_size
-    if scores is None:
-        scores = torch.empty(t, ncols, device=q.device, dtype=torch.float32)
-    if kidx is None:
-        kidx = torch.empty(t, ncols, device=q.device, dtype=torch.int64)
-    if t == 0 or ncols == 0:
-        return scores, kidx
-    interp = interpreting()
-    bc = BC or (32 if interp else 128)
-    cpp = cols_per_prog or (ncols if interp else max(bc, triton.cdiv(ncols, 2 * bc) * bc))
-    q = q if q.stride(-1) == 1 else q.contiguous()
-    k = (k if k.dtype == q.dtype else k.to(q.dtype)).contiguous()
-    w = w if w.stride(-1) == 1 else w.contiguous()
-    cand_blocks = cand_blocks.contiguous()
-    kern = _cand_kernel[(t, triton.cdiv(ncols, cpp))](
-        q, k, w, cand_blocks, k_start.contiguous(), k_end.contiguous(), scores, kidx,
-        t, n, h, c, block_size, ncols, cpp,
-        q.stride(0), q.stride(1), k.stride(0), w.stride(0), cand_blocks.stride(0), scores.stride(0), kidx.stride(0),
-        D=d, DP=_pow2(d, 16), HP=_pow2(h, 16), BC=bc, IEEE=q.dtype == torch.float32, INTERPRET=interp,
-        num_warps=num_warps or 4, num_stages=num_stages or (1 if interp else 3),
-    )
-    _record(info, kern, t * triton.cdiv(ncols, cpp))
-    return scores, kidx
-
-
 # ------------------------------------------------------------------------------------------------------- custom ops
 @torch.library.custom_op("minidi::indexer_score", mutates_args=())
 def _indexer_score_op(
     q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, k_start: torch.Tensor, k_end: torch.Tensor,
     out_dtype: torch.dtype, want_cmax: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    if not triton_can_run(q, k, w, k_start, k_end):
+        raise cannot_run("minidi::indexer_score", q, k, w, k_start, k_end)
     return _launch_score(q, k, w, k_start, k_end, out_dtype, want_cmax)
 
 
@@ -274,20 +205,6 @@ def _(q, k, w, k_start, k_end, out_dtype, want_cmax):
     bn = default_score_config(h, q.dtype)["BN"]
     return q.new_empty(t, n, dtype=out_dtype), q.new_empty(t, triton.cdiv(n, bn) if want_cmax else 0,
                                                             dtype=torch.float32)
-
-
-@torch.library.custom_op("minidi::indexer_score_candidates", mutates_args=())
-def _indexer_score_candidates_op(
-    q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, cand_blocks: torch.Tensor, block_size: int,
-    k_start: torch.Tensor, k_end: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    return _launch_cand(q, k, w, cand_blocks, block_size, k_start, k_end)
-
-
-@_indexer_score_candidates_op.register_fake
-def _(q, k, w, cand_blocks, block_size, k_start, k_end):
-    shape = (q.shape[0], cand_blocks.shape[1] * block_size)
-    return q.new_empty(shape, dtype=torch.float32), q.new_empty(shape, dtype=torch.int64)
 
 
 # ---------------------------------------------------------------------------------------------------------- references
@@ -309,29 +226,9 @@ def indexer_score_ref(
     return out
 
 
-def indexer_score_candidates_ref(
-    q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, cand_blocks: torch.Tensor, block_size: int,
-    k_start: torch.Tensor, k_end: torch.Tensor, compute_dtype: torch.dtype = torch.float32, chunk: int = 64,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Plain-torch candidate scores; same contract as ``indexer_score_candidates``."""
-    t, c = cand_blocks.shape
-    off = torch.arange(block_size, device=q.device)
-    kid = (cand_blocks.long().unsqueeze(-1) * block_size + off).flatten(1)  # [T, C*B]
-    blk = cand_blocks.long().repeat_interleave(block_size, dim=1)  # [T, C*B]
-    valid = (blk >= 0) & (kid >= k_start.long()[:, None]) & (kid < k_end.long().clamp(max=k.shape[0])[:, None])
-    kid = torch.where(valid, kid, -1)
-    scores = torch.empty(t, c * block_size, device=q.device, dtype=torch.float32)
-    for a in range(0, t, chunk):
-        kr = k.to(compute_dtype)[kid[a : a + chunk].clamp(min=0)]  # [c, C*B, D]
-        s = torch.einsum("thd,tnd->thn", q[a : a + chunk].to(compute_dtype), kr)
-        s = (s.relu() * w[a : a + chunk].to(compute_dtype).unsqueeze(-1)).sum(1)  # [c, C*B]
-        scores[a : a + chunk] = s.masked_fill(~valid[a : a + chunk], float("-inf")).float()
-    return scores, kid
-
-
 # ------------------------------------------------------------------------------------------------------ public wrappers
-def _check_common(q, k, w, k_start, k_end, backend):
-    check_backend(backend)
+def _check_common(q, k, w, k_start, k_end, backend) -> str:
+    """Checks the inputs; returns the backend that runs ("triton" or "ref")."""
     for name, x in (("q", q), ("k", k), ("w", w), ("k_start", k_start), ("k_end", k_end)):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
@@ -351,16 +248,12 @@ def _check_common(q, k, w, k_start, k_end, backend):
         raise TypeError(f"q and k must be bf16/fp16/fp32, got q {q.dtype}, k {k.dtype}")
     if w.dtype not in _QK_DTYPES:
         raise TypeError(f"w must be bf16/fp16/fp32, got {w.dtype}")
-    if backend == "triton" and not triton_can_run(q):
-        raise RuntimeError(
-            f"backend='triton' needs CUDA tensors (or CPU tensors with TRITON_INTERPRET=1); got q on {q.device}. "
-            "Use backend='ref' for the plain-torch path."
-        )
+    return resolve_backend(backend, "indexer_score", q, k, w, k_start, k_end)
 
 
 def indexer_score(
     q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, k_start: torch.Tensor, k_end: torch.Tensor,
-    out_dtype: torch.dtype = torch.float32, backend: str = "triton",
+    out_dtype: torch.dtype = torch.float32, backend: str = "auto",
 ) -> torch.Tensor:
     """Dense indexer scores.
 
@@ -368,42 +261,19 @@ def indexer_score(
     k_start/k_end [T] int32/int64: query t sees keys j in [k_start[t], k_end[t]) (a packed ragged batch puts several
     sequences in one key pool; the single-sequence case is k_start = 0, k_end = n_visible).
     Returns scores [T, N] ``out_dtype`` (fp32 default, or bf16): fp32 accumulation, -inf outside the visible range.
+    ``backend``: "auto" (the kernel where it can run, else the reference), "triton" or "ref" (plain torch, fp32).
     """
-    _check_common(q, k, w, k_start, k_end, backend)
+    run = _check_common(q, k, w, k_start, k_end, backend)
     if out_dtype not in (torch.float32, torch.bfloat16):
         raise TypeError(f"out_dtype must be torch.float32 or torch.bfloat16, got {out_dtype}")
-    if backend == "ref":
+    if run == "ref":
         return indexer_score_ref(q, k, w, k_start, k_end, out_dtype)
     return _indexer_score_op(q, k, w, k_start, k_end, out_dtype, False)[0]
 
 
-def indexer_score_candidates(
-    q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, cand_blocks: torch.Tensor, block_size: int,
-    k_start: torch.Tensor, k_end: torch.Tensor, backend: str = "triton",
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scores restricted to candidate blocks (V4.1 re-index layers): only keys inside the candidate blocks are read.
-
-    cand_blocks [T, C] int32/int64 block ids (-1 = empty slot); block b holds keys [b*block_size, (b+1)*block_size).
-    Returns (scores [T, C*block_size] fp32, key_idx [T, C*block_size] int64): column c*B+i is key
-    cand_blocks[t, c]*B + i, or -1 (score -inf) for an empty slot or a key outside [k_start[t], k_end[t]).
-    """
-    _check_common(q, k, w, k_start, k_end, backend)
-    t = q.shape[0]
-    if cand_blocks.dim() != 2 or cand_blocks.shape[0] != t or cand_blocks.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"cand_blocks must be [{t}, C] int32/int64, got shape {tuple(cand_blocks.shape)} "
-                         f"dtype {cand_blocks.dtype}")
-    if cand_blocks.device != q.device:
-        raise ValueError(f"cand_blocks must be on {q.device}, got {cand_blocks.device}")
-    if not isinstance(block_size, int) or block_size < 1:
-        raise ValueError(f"block_size must be a positive int, got {block_size!r}")
-    if backend == "ref":
-        return indexer_score_candidates_ref(q, k, w, cand_blocks, block_size, k_start, k_end)
-    return _indexer_score_candidates_op(q, k, w, cand_blocks, block_size, k_start, k_end)
-
-
 def indexer_topk(
     q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, k_start: torch.Tensor, k_end: torch.Tensor, topk: int,
-    allowed: torch.Tensor | None = None, backend: str = "triton",
+    allowed: torch.Tensor | None = None, backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Drop-in for the model's ``indexer_topk_naive`` (same arguments, same return shapes).
 
@@ -417,8 +287,7 @@ def indexer_topk(
     kk = min(topk, n)
     if allowed is not None and (allowed.shape != (t, n) or allowed.dtype != torch.bool):
         raise ValueError(f"allowed must be [{t}, {n}] bool, got {tuple(allowed.shape)} {allowed.dtype}")
-    _check_common(q, k, w, k_start, k_end, backend)
-    if backend == "ref":
+    if _check_common(q, k, w, k_start, k_end, backend) == "ref":
         scores = indexer_score_ref(q, k, w, k_start, k_end)
         if allowed is not None:
             scores = scores.masked_fill(~allowed, float("-inf"))
@@ -431,20 +300,6 @@ def indexer_topk(
     return torch.ops.minidi.topk_indices(scores, kk, k_start, k_end, cmax, chunk), scores
 
 
-def indexer_topk_candidates(
-    q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, cand_blocks: torch.Tensor, block_size: int,
-    k_start: torch.Tensor, k_end: torch.Tensor, topk: int, backend: str = "triton",
-) -> torch.Tensor:
-    """Top-k key indices [T, topk] int64 (-1 padded) from candidate-restricted scores (re-index layers)."""
-    scores, kidx = indexer_score_candidates(q, k, w, cand_blocks, block_size, k_start, k_end, backend)
-    if backend == "ref":
-        cols = topk_indices_ref(scores, topk)
-    else:
-        cols = torch.ops.minidi.topk_indices(scores, topk, None, None, None, 0)
-    return torch.where(cols >= 0, kidx.gather(1, cols.clamp(min=0)), -1)
-
-
 __all__ = [
-    "indexer_score", "indexer_score_candidates", "indexer_topk", "indexer_topk_candidates",
-    "indexer_score_ref", "indexer_score_candidates_ref", "default_score_config",
+    "indexer_score", "indexer_topk", "indexer_score_ref", "default_score_config",
 ]

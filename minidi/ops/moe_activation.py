@@ -44,10 +44,11 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ._triton_utils import check_backend, local_row_count, triton_can_run
+from minidi.formats import E4M3_MAX, pow2_ceil
 
-E4M3_MAX = 448.0
-AMAX_FLOOR = 1e-4
+from ._triton_utils import cannot_run, local_row_count, resolve_backend, triton_can_run
+
+AMAX_FLOOR = 1e-4  # fq8's amax floor (``minidi.model.quant.fq8``)
 OUT_DTYPES = (torch.bfloat16, torch.float32)
 _E4M3_MAX_K = tl.constexpr(E4M3_MAX)  # the kernel's copies: Triton 3.6 jit reads only constexpr globals
 _AMAX_FLOOR_K = tl.constexpr(AMAX_FLOOR)
@@ -70,10 +71,7 @@ def _blocks_and_scales(a: torch.Tensor, block: int) -> tuple[torch.Tensor, torch
     """a [..., I] -> fp32 blocks [..., I/block, block] and each block's fq8 scale 2^ceil(log2(max(amax, floor)/448))
     [..., I/block, 1], exact."""
     blocks = a.float().unflatten(-1, (a.shape[-1] // block, block))
-    y = blocks.abs().amax(-1, keepdim=True).clamp_min(AMAX_FLOOR) / E4M3_MAX
-    bits = y.view(torch.int32)
-    s = ((((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(torch.int32)) << 23).view(torch.float32)
-    return blocks, s
+    return blocks, pow2_ceil(blocks.abs().amax(-1, keepdim=True).clamp_min(AMAX_FLOOR) / E4M3_MAX)
 
 
 def grid_step(ref: torch.Tensor, block: int | None) -> torch.Tensor:
@@ -89,7 +87,8 @@ def grid_step(ref: torch.Tensor, block: int | None) -> torch.Tensor:
 # ---- kernel --------------------------------------------------------------------------------------------------------
 @triton.jit
 def _pow2_ceil(y):
-    """2^ceil(log2(y)) for positive normal fp32 y, exact (quant._pow2_ceil)."""
+    """2^ceil(log2(y)) for positive normal fp32 y, exact: the kernel's twin of ``minidi.formats.pow2_ceil`` (a kernel
+    cannot call torch; test_moe_activation.py::test_pow2_ceil_twin holds the two equal)."""
     bits = y.to(tl.int32, bitcast=True)
     e = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
     return (e << 23).to(tl.float32, bitcast=True)
@@ -171,8 +170,7 @@ def _moe_activation_op(g: torch.Tensor, v: torch.Tensor, ws: torch.Tensor, offs:
                        block: int) -> torch.Tensor:
     """block 0: no fake quant."""
     if not triton_can_run(g, v, ws, offs):
-        raise RuntimeError(f"minidi::moe_activation: Triton needs CUDA tensors, or CPU tensors with "
-                           f"TRITON_INTERPRET=1 (got {g.device}); use backend='ref'")
+        raise cannot_run("minidi::moe_activation", g, v, ws, offs)
     g, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (g, v))
     out = torch.empty_like(g)
     launch(g, v, ws, offs, limit, block, out)
@@ -201,13 +199,13 @@ def _(g, v, ws, offs, limit, block):
 
 
 def moe_activation(g: torch.Tensor, v: torch.Tensor, ws: torch.Tensor, offs: torch.Tensor, limit: float,
-                   block: int | None, backend: str = "triton") -> torch.Tensor:
+                   block: int | None, backend: str = "auto") -> torch.Tensor:
     """a [R, I] in g's dtype: ``fq8((silu(min(g, L)) * clamp(v, -L, L) * ws).to(dtype), block)`` (no fq8 when
     ``block`` is None) for the rows below offs[-1]; the rows past it are not written (garbage), as with the grouped
     GEMMs around it. g, v [R, I] bf16 | fp32; ws [R] or [R, 1] fp32; offs [E] int32 cumulative row ends.
-    ``backend``: "triton" or "ref" (plain torch, every row computed)."""
-    check_backend(backend)
+    ``backend``: "auto" (the kernel where it can run, else the reference), "triton" or "ref" (plain torch, every row
+    computed)."""
     _check(g, v, ws, offs, block)
-    if backend == "ref":
+    if resolve_backend(backend, "moe_activation", g, v, ws, offs) == "ref":
         return moe_activation_ref(g, v, ws.reshape(-1, 1), offs, limit, block)
     return _moe_activation_op(g, v, ws, offs, float(limit), int(block or 0))

@@ -31,14 +31,16 @@ import torch
 import triton
 import triton.language as tl
 
-from ._triton_utils import check_backend, triton_can_run
+from ._triton_utils import cannot_run, resolve_backend, triton_can_run
 
 ROW_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 # ---- reference -----------------------------------------------------------------------------------------------------
 def moe_combine_ref(rows: torch.Tensor, order: torch.Tensor, local: torch.Tensor, k: int) -> torch.Tensor:
-    """Plain torch (the naive combine). rows [R, D], order [R] int64, local [R] bool -> [T, D] fp32, T = R // k."""
+    """Plain torch (the naive combine). rows [R, D], order [R] int64, local [R] bool -> [T, D] fp32, T = R // k.
+    A deliberate twin of ``minidi.model.moe.moe_combine_naive`` (the ops import nothing of the model);
+    ``tests/ops/test_moe_combine.py::test_ref_is_the_model_naive_function`` holds the two bit-equal."""
     r = rows.float()
     r = torch.where(local.unsqueeze(-1), r, torch.zeros_like(r))
     slots = torch.zeros_like(r).index_copy_(0, order, r)  # [R, D] in token-slot order
@@ -112,8 +114,7 @@ def combine_from_slots(rows: torch.Tensor, slot_row: torch.Tensor, k: int, out: 
 @torch.library.custom_op("minidi::moe_combine", mutates_args=())
 def _moe_combine_op(rows: torch.Tensor, order: torch.Tensor, local: torch.Tensor, k: int) -> torch.Tensor:
     if not triton_can_run(rows, order, local):
-        raise RuntimeError("minidi::moe_combine: Triton needs CUDA tensors, or CPU tensors with TRITON_INTERPRET=1 "
-                           f"(got {rows.device}); use moe_combine(..., backend='ref')")
+        raise cannot_run("minidi::moe_combine", rows, order, local)
     rows = rows if rows.stride(-1) == 1 else rows.contiguous()
     return combine_from_slots(rows, invert_slots(order.contiguous(), local.contiguous()), k)
 
@@ -139,16 +140,16 @@ def _check(rows: torch.Tensor, order: torch.Tensor, local: torch.Tensor, k: int)
 
 
 def moe_combine(rows: torch.Tensor, order: torch.Tensor, local: torch.Tensor, k: int,
-                backend: str = "triton") -> torch.Tensor:
+                backend: str = "auto") -> torch.Tensor:
     """Sum each token's k expert rows in slot order, skipping rows of non-local experts.
 
     rows [R, D] bf16/fp16/fp32: expert outputs in sorted-row order (rows of non-local experts may hold anything);
     order [R] int64: the token-slot index t*k + slot of each sorted row, a permutation of 0..R-1 (``argsort``'s
     output; not checked, that would need a host sync); local [R] bool: the row was computed by a local expert.
     Returns [T, D] fp32, T = R // k. The inverse permutation is computed inside (device-side scatter, no sync).
+    ``backend``: "auto" (the kernel where it can run, else the reference), "triton" or "ref" (plain torch).
     """
-    check_backend(backend)
     _check(rows, order, local, k)
-    if backend == "ref":
+    if resolve_backend(backend, "moe_combine", rows, order, local) == "ref":
         return moe_combine_ref(rows, order, local, k)
     return _moe_combine_op(rows, order, local, k)

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._triton_utils import check_backend, local_row_count, triton_can_run
+from ._triton_utils import cannot_run, local_row_count, resolve_backend, triton_can_run
 
 X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 IDX_DTYPES = (torch.int32, torch.int64)
@@ -83,18 +83,17 @@ def _check(x: torch.Tensor, idx: torch.Tensor, offs: torch.Tensor) -> None:
     devs = {t.device for t in (x, idx, offs)}
     if len(devs) != 1:
         fail(f"x, idx and offs must be on one device, got {sorted(map(str, devs))}")
-    if idx.device.type == "cpu" and idx.numel() and not torch.compiler.is_compiling():
-        lo, hi = int(idx.min()), int(idx.max())
-        if lo < 0 or hi >= x.shape[0]:
-            raise IndexError(f"gather_rows: idx holds {lo if lo < 0 else hi}, outside x's {x.shape[0]} rows")
 
 
 # ---- custom op -----------------------------------------------------------------------------------------------------
 @torch.library.custom_op("minidi::gather_rows", mutates_args=())
 def _gather_rows_op(x: torch.Tensor, idx: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     if not triton_can_run(x, idx, offs):
-        raise RuntimeError(f"minidi::gather_rows: Triton needs CUDA tensors, or CPU tensors with TRITON_INTERPRET=1 "
-                           f"(got {x.device}); use backend='ref'")
+        raise cannot_run("minidi::gather_rows", x, idx, offs)
+    if idx.device.type == "cpu" and idx.numel():  # real tensors here (the op body), so a host check costs no sync
+        lo, hi = int(idx.min()), int(idx.max())
+        if lo < 0 or hi >= x.shape[0]:
+            raise IndexError(f"gather_rows: idx holds {lo if lo < 0 else hi}, outside x's {x.shape[0]} rows")
     x = x if x.stride(-1) == 1 else x.contiguous()
     out = torch.empty(idx.shape[0], x.shape[1], dtype=x.dtype, device=x.device)
     launch(x, idx.contiguous(), offs.contiguous(), out)
@@ -106,13 +105,13 @@ def _(x, idx, offs):
     return x.new_empty(idx.shape[0], x.shape[1])
 
 
-def gather_rows(x: torch.Tensor, idx: torch.Tensor, offs: torch.Tensor, backend: str = "triton") -> torch.Tensor:
+def gather_rows(x: torch.Tensor, idx: torch.Tensor, offs: torch.Tensor, backend: str = "auto") -> torch.Tensor:
     """[R, D] in x's dtype: row r = x[idx[r]] for r < offs[-1]; the rows past it are not written (garbage), as with
     the grouped GEMMs that read them. x [T, D] bf16 | fp16 | fp32; idx [R] int32 | int64 in [0, T) (checked on CPU
     tensors; on the GPU an index out of range gives a NaN row); offs [E] int32 cumulative row ends.
-    ``backend``: "triton" or "ref" (plain torch, every row gathered)."""
-    check_backend(backend)
+    ``backend``: "auto" (the kernel where it can run, else the reference), "triton" or "ref" (plain torch, every row
+    gathered; an index out of range raises there)."""
     _check(x, idx, offs)
-    if backend == "ref":
+    if resolve_backend(backend, "gather_rows", x, idx, offs) == "ref":
         return gather_rows_ref(x, idx, offs)
     return _gather_rows_op(x, idx, offs)

@@ -38,11 +38,13 @@ BH heads per program, BK key slots per step, BD = next_pow2(D), DV = BD / nsplit
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
 
-from ._triton_utils import check_backend, interpreting, triton_can_run
+from ._triton_utils import cannot_run, interpreting, mma, num_sms, resolve_backend, triton_can_run
 
 Q_DTYPES = (torch.bfloat16, torch.float32)
 IDX_DTYPES = (torch.int32, torch.int64)
@@ -54,6 +56,9 @@ def sparse_attention_ref(q: torch.Tensor, window_kv: torch.Tensor, window_idx: t
                          comp_kv: torch.Tensor | None, comp_idx: torch.Tensor | None, sink: torch.Tensor,
                          scale: float) -> torch.Tensor:
     """Plain torch, the naive path's math (test oracle and fallback). Shapes and dtypes as ``sparse_attention``.
+
+    A deliberate twin of ``minidi.model.sparse_attention.sparse_attention_naive`` (the ops import nothing of the
+    model); ``tests/ops/test_sparse_attention.py::test_ref_is_the_model_naive_function`` holds the two bit-equal.
 
     A query with no valid key returns NaN here (0/0), as the naive path does; the kernel returns 0 there.
     """
@@ -75,17 +80,6 @@ def sparse_attention_ref(q: torch.Tensor, window_kv: torch.Tensor, window_idx: t
 
 
 # ---- kernel --------------------------------------------------------------------------------------------------------
-@triton.jit
-def _mma(a, b, acc, IEEE: tl.constexpr, INTERPRET: tl.constexpr):
-    """acc + a @ b. Interpreter: fp32 operands (its bf16 dot is wrong). GPU: bf16 tensor cores, or exact fp32."""
-    if INTERPRET:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
-    elif IEEE:
-        return tl.dot(a, b, acc, input_precision="ieee")
-    else:
-        return tl.dot(a, b, acc)
-
-
 @triton.jit
 def _round_p(e, ROUND_BF16: tl.constexpr, INTERPRET: tl.constexpr):
     """The unnormalised probabilities as PV consumes them: rounded to bf16 (nearest even) in bf16 mode."""
@@ -172,10 +166,10 @@ def _sparse_attention_kernel(
             base = kv_ptr + roff  # [BK] row pointers (garbage, never read, for empty slots)
             kb = tl.load(base[:, None] + offs_d[None, :], mask=valid[:, None] & d_ok[None, :],
                          other=0.0)  # [BK, DV]
-            s = _mma(q, tl.trans(kb), tl.zeros([BLOCK_H, BLOCK_K], tl.float32), IEEE, INTERPRET)  # [BH, BK]
+            s = mma(q, tl.trans(kb), tl.zeros([BLOCK_H, BLOCK_K], tl.float32), IEEE, INTERPRET)  # [BH, BK]
             if NSPLIT == 2:
                 ko = tl.load(base[:, None] + offs_o[None, :], mask=valid[:, None] & o_ok[None, :], other=0.0)
-                s = _mma(q_o, tl.trans(ko), s, IEEE, INTERPRET)
+                s = mma(q_o, tl.trans(ko), s, IEEE, INTERPRET)
             s = tl.where(valid[None, :], s * scale, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))  # [BH]
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # no real key yet: keep exp finite
@@ -184,7 +178,7 @@ def _sparse_attention_kernel(
             l_i = l_i * alpha + tl.sum(e, 1)
             p = _round_p(e, ROUND_BF16, INTERPRET)  # [BH, BK]
             acc = acc * alpha[:, None]
-            acc = _mma(p, kb, acc, IEEE, INTERPRET)  # [BH, DV]
+            acc = mma(p, kb, acc, IEEE, INTERPRET)  # [BH, DV]
             m_i = m_new
         sink = tl.load(sink_ptr + offs_h, mask=h_ok, other=0.0)
         denom = l_i + tl.exp(sink - m_i)  # sink in the denominator only; no real key: exp(+inf), out = 0
@@ -194,16 +188,6 @@ def _sparse_attention_kernel(
 
 
 # ---- launcher ------------------------------------------------------------------------------------------------------
-_NUM_SMS: dict[int, int] = {}
-
-
-def _num_sms(device: torch.device) -> int:
-    i = device.index if device.index is not None else torch.cuda.current_device()
-    if i not in _NUM_SMS:
-        _NUM_SMS[i] = torch.cuda.get_device_properties(i).multi_processor_count
-    return _NUM_SMS[i]
-
-
 def default_config(h: int, d: int, dtype: torch.dtype, on_gpu: bool) -> dict:
     """Launch config: BLOCK_H, BLOCK_K, nsplit, persistent, num_warps, num_stages.
 
@@ -264,9 +248,9 @@ def launch(q: torch.Tensor, window_kv: torch.Tensor, window_idx: torch.Tensor, c
         return out
     n_prog = n_tiles
     if cfg["persistent"]:  # one program per SM, looping over tiles in order
-        n_prog = min(n_tiles, 1 if interp else _num_sms(q.device))
+        n_prog = min(n_tiles, 1 if interp else num_sms(q.device))
     launch_kw = {} if interp else dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    with torch.cuda.device(q.device) if q.is_cuda else _nullctx():
+    with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
         kernel = _sparse_attention_kernel[(n_prog,)](
             q, window_kv, code, sink, out, comp_off, h, w + k, n_tiles, float(scale),
             D=d, BLOCK_H=block_h, BLOCK_K=block_k, BLOCK_D=block_d, NSPLIT=nsplit,
@@ -281,14 +265,6 @@ def launch(q: torch.Tensor, window_kv: torch.Tensor, window_idx: torch.Tensor, c
     return out
 
 
-class _nullctx:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
-
-
 # ---- custom op -----------------------------------------------------------------------------------------------------
 @torch.library.custom_op("minidi::sparse_attention", mutates_args=())
 def _sparse_attention_op(q: torch.Tensor, window_kv: torch.Tensor, window_idx: torch.Tensor,
@@ -297,9 +273,7 @@ def _sparse_attention_op(q: torch.Tensor, window_kv: torch.Tensor, window_idx: t
     _check(q, window_kv, window_idx, comp_kv, comp_idx, sink, scale)
     tensors = [x for x in (q, window_kv, window_idx, comp_kv, comp_idx, sink) if x is not None]
     if not triton_can_run(*tensors):
-        raise RuntimeError("minidi::sparse_attention: Triton needs CUDA tensors, or CPU tensors with "
-                           f"TRITON_INTERPRET=1 (got {q.device}, interpreter {'on' if interpreting() else 'off'}); "
-                           "use sparse_attention(..., backend='ref')")
+        raise cannot_run("minidi::sparse_attention", *tensors)
     return launch(q, window_kv, window_idx, comp_kv, comp_idx, sink, scale)
 
 
@@ -349,7 +323,7 @@ def _check(q, window_kv, window_idx, comp_kv, comp_idx, sink, scale) -> None:
 
 def sparse_attention(q: torch.Tensor, window_kv: torch.Tensor, window_idx: torch.Tensor,
                      comp_kv: torch.Tensor | None, comp_idx: torch.Tensor | None, sink: torch.Tensor,
-                     scale: float, backend: str = "triton") -> torch.Tensor:
+                     scale: float, backend: str = "auto") -> torch.Tensor:
     """Attention of each query over key rows read by index from two caches, with a per-head sink.
 
     q [T, H, D] bf16 or fp32; window_kv [Nw, D] and comp_kv [Nc, D] in q's dtype (one row = key and value for all
@@ -357,10 +331,10 @@ def sparse_attention(q: torch.Tensor, window_kv: torch.Tensor, window_idx: torch
     comp_kv / comp_idx both None for window-only layers; sink [H] fp32; scale: float. Returns [T, H, D] in q's dtype.
     Semantics of ``sparse_attention_naive``: fp32 scores, max over real keys only, exp rounded to bf16 before PV in
     bf16 mode, fp32 accumulation and denominator (sink in the denominator only). A query with no valid key gets 0
-    from the kernel (the naive path and ``backend='ref'`` give NaN).
+    from the kernel (the naive path and ``backend='ref'`` give NaN). ``backend``: "auto" (the kernel where it can run,
+    else the reference), "triton" or "ref" (plain torch).
     """
-    check_backend(backend)
     _check(q, window_kv, window_idx, comp_kv, comp_idx, sink, scale)
-    if backend == "ref":
+    if resolve_backend(backend, "sparse_attention", q, window_kv, window_idx, comp_kv, comp_idx, sink) == "ref":
         return sparse_attention_ref(q, window_kv, window_idx, comp_kv, comp_idx, sink, scale)
     return _sparse_attention_op(q, window_kv, window_idx, comp_kv, comp_idx, sink, float(scale))

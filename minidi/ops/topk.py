@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._triton_utils import check_backend, interpreting, triton_can_run
+from ._triton_utils import cannot_run, interpreting, resolve_backend, triton_can_run
 
 NEG_KEY = tl.constexpr(-2139095041)  # key(-inf): every finite score has a larger key
 _SCORE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -283,6 +283,8 @@ def _topk_op(
     scores: torch.Tensor, k: int, k_start: torch.Tensor | None, k_end: torch.Tensor | None,
     cmax: torch.Tensor | None, cmax_chunk: int,
 ) -> torch.Tensor:
+    if not triton_can_run(scores, k_start, k_end, cmax):
+        raise cannot_run("minidi::topk_indices", scores, k_start, k_end, cmax)
     return _launch_topk(scores, k, k_start, k_end, cmax, cmax_chunk)
 
 
@@ -313,7 +315,7 @@ def topk_indices_ref(
 
 def topk_indices(
     scores: torch.Tensor, k: int, k_end: torch.Tensor | None = None, k_start: torch.Tensor | None = None,
-    backend: str = "triton",
+    backend: str = "auto",
 ) -> torch.Tensor:
     """Indices of the k largest scores per row.
 
@@ -321,8 +323,8 @@ def topk_indices(
     columns in [k_start, k_end) are considered (the kernel does not read the rest).
     Returns idx [T, k] int64: the picked columns in ascending order, then -1 for picks whose score is -inf (or that
     are outside the range). The set equals torch.topk's up to exact ties (ties at the threshold go to lower columns).
+    ``backend``: "auto" (the kernel where it can run, else the reference), "triton" or "ref" (``torch.topk``).
     """
-    check_backend(backend)
     if not isinstance(scores, torch.Tensor) or scores.dim() != 2 or scores.dtype not in _SCORE_DTYPES:
         raise ValueError(f"scores must be a [T, N] fp32/bf16/fp16 tensor, got "
                          f"{tuple(scores.shape) if isinstance(scores, torch.Tensor) else type(scores).__name__} "
@@ -335,11 +337,6 @@ def topk_indices(
         if bad or (x is not None and x.device != scores.device):
             raise ValueError(f"{name} must be [{t}] int32/int64 on {scores.device}, got {tuple(x.shape)} {x.dtype} "
                              f"on {x.device}")
-    if backend == "ref":
+    if resolve_backend(backend, "topk_indices", scores, k_end, k_start) == "ref":
         return topk_indices_ref(scores, k, k_end, k_start)
-    if not triton_can_run(scores):
-        raise RuntimeError(
-            f"backend='triton' needs CUDA tensors (or CPU tensors with TRITON_INTERPRET=1); got scores on "
-            f"{scores.device}. Use backend='ref' for the plain-torch path."
-        )
     return _topk_op(scores, k, k_start, k_end, None, 0)

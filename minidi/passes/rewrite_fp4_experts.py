@@ -14,12 +14,11 @@ Naive subgraph (Dynamo FX; ``dequant_fp4`` inlined), once per weight stack w1, w
 Replacement::
 
     y = fp4_grouped_mm(x, packed, scale, offs)     # FP4 decoded in the GEMM's load path; no [E, N, K] stack
-    y = fp4_grouped_mm(tokens, packed, scale, offs, rows=idx)   # bf16 form with x = tokens[idx] (the MoE's
-                                                   # token -> sorted-row gather): rows read by index, x never built
-                                                   # (only with ABSORB_ROW_GATHER, off by default: see there)
 
-One match = one GEMM (three per MoE layer). The dequantised stack is erased once its last GEMM is rewritten.
-Refused: a stack that is not this exact e2m1 x E8M0 decode, another contraction, a gather of other rows.
+One match = one GEMM (three per MoE layer). The dequantised stack is erased once its last GEMM is rewritten. The
+decode matched is ``minidi.formats.dequant_fp4`` (its grid and edge-code constants are read from there). The MoE's
+token -> sorted-row gather feeding x stays in the graph (pass I turns it into a local-rows gather).
+Refused: a stack that is not this exact e2m1 x E8M0 decode, another contraction.
 """
 
 from __future__ import annotations
@@ -27,20 +26,11 @@ from __future__ import annotations
 import torch
 from torch.fx import Node
 
-from minidi.model.quant import E2M1_GRID
+from minidi.formats import E2M1_GRID, E8M0_MIN_BITS, E8M0_NAN_BITS
 from minidi.ops.fp4_grouped_gemm import fp4_grouped_mm
 
 from .base import Match, Rewrite
 from .fx_utils import arg, dims_equal, dtype, is_call, is_literal, n_args, normalize_einsum, rank, same_int, val
-from .rewrite_moe_gather import row_gather
-
-_NAN_BITS, _MIN_BITS = 0x7FC00000, 0x00400000
-
-ABSORB_ROW_GATHER = False
-"""Fold the MoE's ``tokens[rows]`` gather into the GEMM (``rows=``). Off: on the H200 (Triton 3.6) the rows path
-matched the gathered path bit for bit at 24 experts but not at the benchmark's 96 experts x 256 rows of w1/w3
-(1,351 of 56.6 M outputs off by up to 4.9 % of max|y|, ``docs/benchmarks/h200_prefill_round3``); until that is
-understood and fixed on the GPU the gather stays in the graph. Tests turn it on to keep the rewrite covered."""
 
 
 def _view_to(node, view_dtype: torch.dtype, to_dtype: torch.dtype) -> Node | None:
@@ -122,7 +112,7 @@ def dequant_fp4_stack(w: Node) -> tuple[Node, Node, set[Node]] | None:
     b2 = inner.args[2].args[0]
     if not (is_literal(inner.args[2].args[1], 23) and _eq(inner.args[0], b2, 0) and _eq(outer.args[0], b2, 255)):
         return None
-    if not (_full_like(inner.args[1], b2, _MIN_BITS) and _full_like(outer.args[1], b2, _NAN_BITS)):
+    if not (_full_like(inner.args[1], b2, E8M0_MIN_BITS) and _full_like(outer.args[1], b2, E8M0_NAN_BITS)):
         return None
     scale = _view_to(b2, torch.uint8, torch.int32)
     if packed is None or scale is None or rank(packed) != 3 or rank(scale) != 3:
@@ -137,12 +127,6 @@ def dequant_fp4_stack(w: Node) -> tuple[Node, Node, set[Node]] | None:
 class FP4GroupedMM(Rewrite):
     key = "D"
     name = "fp4_grouped_mm"
-
-    def __init__(self, op_backend: str = "triton") -> None:
-        if op_backend == "ref":  # fp4_grouped_mm_ref loops over experts on the host (offs.tolist()): not traceable
-            raise ValueError("pass D (fp4_grouped_mm) cannot insert the op's 'ref' backend (a host loop over experts "
-                             "that torch.compile cannot trace); use op_backend='triton' or leave D out")
-        super().__init__(op_backend)
 
     def _gemm(self, node: Node) -> tuple[Node, Node, Node, set[Node]] | None:
         """-> (x, W, offs, nodes) for either grouped GEMM form."""
@@ -197,10 +181,5 @@ class FP4GroupedMM(Rewrite):
             return None
         if dtype(offs) != torch.int32 or rank(offs) != 1:
             return None
-        kwargs = {"backend": self.op_backend}
-        gather = row_gather(x) if ABSORB_ROW_GATHER and is_call(node, "_grouped_mm") else None
-        if gather is not None:  # x = tokens[rows]: the kernel reads the token rows by index, x is never built
-            x, kwargs["rows"] = gather
-            nodes = nodes | {node.args[0]}  # erased once its last GEMM (w1, then w3) is rewritten
         return Match(anchor=node, nodes=nodes | dq_nodes, target=fp4_grouped_mm, args=(x, packed, scale, offs),
-                     kwargs=kwargs, outputs=[(node, None)])
+                     kwargs={"backend": self.op_backend}, outputs=[(node, None)])

@@ -15,17 +15,19 @@ import pytest
 import torch
 
 import minidi.ops.fp4_grouped_gemm as m
+from minidi import formats
+from minidi.ops import _triton_utils
 from minidi.ops.fp4_grouped_gemm import (
     _E2M1_BF16_ASM,
     Fp4GemmConfig,
+    _decode_e2m1,
     fp4_dequant_ref,
     fp4_grouped_mm,
     fp4_grouped_mm_ref,
     launch,
 )
 from minidi.ops.fp4_grouped_gemm_configs import (SS_EP1, SS_EP4, SWAP1WG_EP1, SWAP1WG_EP4, SWAP2WG_EP1,
-                                                 SWAP2WG_EP4, default_config, multi_warpgroup_swap, ptxas_version,
-                                                 swap_tiles_enabled)
+                                                 SWAP2WG_EP4, default_config, multi_warpgroup_swap, ptxas_version)
 
 gpu = pytest.mark.gpu
 
@@ -106,43 +108,6 @@ def test_bf16_matches_reference(decode, swap, bk):
     assert_tail_untouched(out, offs)
 
 
-@pytest.mark.parametrize("decode,swap,dtype", [("asm", True, torch.bfloat16), ("scaled", False, torch.bfloat16),
-                                                ("manual", False, torch.float32), ("manual", True, torch.float32)])
-def test_rows_gather_in_the_load_path(decode, swap, dtype):
-    """rows: output row r multiplies x row rows[r] (repeats, skipped rows, x with more rows than the output, rows past
-    offs[-1]): equal to the op on the gathered x[rows]; the poisoned output written below offs[-1] only."""
-    e, n, k, counts, extra = CASES[1]
-    g = torch.Generator().manual_seed(12)
-    x, wp, ws, offs = make(e, n, k, counts, dtype, extra_rows=extra, gen=g)
-    r = x.shape[0]
-    src = torch.randn(r + 9, k, generator=g).to(dtype)  # the tokens; x = src[rows]
-    rows = torch.randint(0, r + 9, (r,), generator=g)
-    rows[:4] = rows[4]  # repeats
-    cfg = Fp4GemmConfig(BM=16, BN=32, BK=64, num_warps=4, num_stages=1, swap=swap, decode=decode, progs=3)
-    out = torch.full((r, n), POISON, dtype=dtype)
-    launch(src, wp, ws, offs, out, cfg, rows=rows)
-    assert torch.equal(out, run(src[rows], wp, ws, offs, cfg))
-    assert_tail_untouched(out, offs)
-    assert_close(valid(out, offs), valid(reference(src[rows], wp, ws, offs), offs), dtype)
-    public = fp4_grouped_mm(src, wp, ws, offs, rows=rows.int())
-    assert public.shape == (r, n)
-    assert torch.equal(valid(public, offs), valid(fp4_grouped_mm(src[rows], wp, ws, offs), offs))
-    assert_close(fp4_grouped_mm(src, wp, ws, offs, backend="ref", rows=rows), reference(src[rows], wp, ws, offs),
-                 dtype)
-
-
-def test_rows_clear_errors():
-    x, wp, ws, offs = make(*CASES[0][:4], torch.float32)
-    with pytest.raises(ValueError, match=r"rows must be \[R\] int32/int64.*\(3, 2\) torch.int64"):
-        fp4_grouped_mm(x, wp, ws, offs, rows=torch.zeros(3, 2, dtype=torch.long))
-    with pytest.raises(ValueError, match=r"rows must be \[R\] int32/int64.*torch.float32"):
-        fp4_grouped_mm(x, wp, ws, offs, rows=torch.zeros(3))
-    with pytest.raises(IndexError, match=rf"rows holds {x.shape[0]}, outside x's {x.shape[0]} rows"):
-        fp4_grouped_mm(x, wp, ws, offs, rows=torch.tensor([0, x.shape[0]]))
-    with pytest.raises(IndexError, match=r"rows holds -1"):
-        fp4_grouped_mm(x, wp, ws, offs, rows=torch.tensor([-1, 0]))
-
-
 def test_default_config_and_public_op():
     e, n, k, counts, extra = CASES[0]
     for dtype in (torch.float32, torch.bfloat16):
@@ -189,14 +154,40 @@ def test_opcheck():
     x, wp, ws, offs = make(3, 40, 64, [4, 0, 9], torch.bfloat16)  # (rows past offs[-1] are garbage: none here)
     # scales as their uint8 view: opcheck's schema check compares tensors with ops e8m0 does not implement
     torch.library.opcheck(torch.ops.minidi.fp4_grouped_mm.default, (x, wp, ws.view(torch.uint8), offs))
-    rows = torch.tensor([2, 2, 0, 5, 1, 12, 3, 4, 7, 6, 9, 8, 10])  # 13 output rows from x's 13
-    torch.library.opcheck(torch.ops.minidi.fp4_grouped_mm.default, (x, wp, ws.view(torch.uint8), offs, rows))
+    torch.library.opcheck(torch.ops.minidi.fp4_grouped_mm_ref.default, (x, wp, ws.view(torch.uint8), offs))
 
 
-def test_under_torch_compile():
+@pytest.mark.parametrize("backend", ["auto", "ref"])
+def test_under_torch_compile(backend):
+    """Both backends trace (the reference's host loop over experts sits behind its own custom op), dynamic shapes."""
     x, wp, ws, offs = make(3, 40, 64, [4, 0, 7], torch.float32)
-    f = torch.compile(lambda *a: fp4_grouped_mm(*a) * 2.0, backend="aot_eager", fullgraph=True)
+    f = torch.compile(lambda *a: fp4_grouped_mm(*a, backend=backend) * 2.0, backend="aot_eager", fullgraph=True,
+                      dynamic=True)
     assert_close(f(x, wp, ws, offs), 2.0 * reference(x, wp, ws, offs), torch.float32)
+
+
+def test_decode_matches_formats():
+    """The kernel's arithmetic decode (``_decode_e2m1``, the twin of ``minidi.formats.dequant_fp4``) on every packed
+    byte x every E8M0 code (0 -> 2^-127, 255 -> NaN), bit for bit in fp32."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def decode_kernel(p_ptr, s_ptr, o_ptr, BN: tl.constexpr, BK: tl.constexpr):
+        rn = tl.arange(0, BN)
+        p = tl.load(p_ptr + rn[:, None] * (BK // 2) + tl.arange(0, BK // 2)[None, :])
+        s = tl.load(s_ptr + rn[:, None] * (BK // 32) + tl.arange(0, BK // 32)[None, :])
+        tl.store(o_ptr + rn[:, None] * BK + tl.arange(0, BK)[None, :], _decode_e2m1(p, s, BN, BK, tl.float32))
+
+    bn, bk = 256, 512  # row c: scale code c for all 16 blocks; each block's 16 bytes cycle through all 256 bytes
+    packed = (torch.arange(bn * bk // 2) % 256).to(torch.uint8).view(bn, bk // 2)
+    scale = torch.arange(bn, dtype=torch.uint8)[:, None].expand(bn, bk // 32).contiguous()
+    out = torch.full((bn, bk), POISON)
+    decode_kernel[(1,)](packed, scale, out, BN=bn, BK=bk)
+    ref = formats.dequant_fp4(packed, scale.view(torch.float8_e8m0fnu), torch.float32)
+    assert torch.equal(out.isnan(), ref.isnan()) and out[255].isnan().all()
+    assert torch.equal(out.nan_to_num(), ref.nan_to_num())
+    assert torch.equal(fp4_dequant_ref(packed, scale).nan_to_num(), ref.nan_to_num())
 
 
 def test_clear_errors(monkeypatch):
@@ -221,10 +212,11 @@ def test_clear_errors(monkeypatch):
         fp4_grouped_mm(x, wp, ws, offs, backend="cuda")
     with pytest.raises(ValueError, match="needs bf16 x"):
         launch(x.float(), wp, ws, offs, torch.empty(x.shape[0], 40), Fp4GemmConfig(decode="asm"))
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
-    with pytest.raises(RuntimeError, match="Triton needs CUDA tensors"):
-        fp4_grouped_mm(x, wp, ws, offs)
-    fp4_grouped_mm(x, wp, ws, offs, backend="ref")  # the reference still runs
+    monkeypatch.setattr(_triton_utils, "INTERPRETER", False)  # as if imported without TRITON_INTERPRET=1
+    with pytest.raises(RuntimeError, match="needs CUDA tensors.*backend='auto'"):
+        fp4_grouped_mm(x, wp, ws, offs, backend="triton")
+    ref = fp4_grouped_mm(x, wp, ws, offs, backend="ref")  # the reference still runs
+    assert torch.equal(fp4_grouped_mm(x, wp, ws, offs), ref)  # auto: the reference here
 
 
 def _emulate_ptx(asm: str, regs: dict[str, int]) -> dict[str, int]:
@@ -309,10 +301,13 @@ def test_fallback_chain_is_fast_and_failures_are_remembered(monkeypatch):
 
 
 # ---- GPU (realistic sizes) ---------------------------------------------------------------------------------------
+_RACY = pytest.mark.xfail(reason="swapped (register-operand MMA) tiles of two warpgroups race with Triton 3.6 on the "
+                                  "H200 (fp4_grouped_gemm_configs.py); an XPASS says this Triton may have fixed it",
+                           strict=False)
 GPU_CONFIGS = [
     None,  # the op's default (its fallbacks make the test fail: see the warning filter)
-    SWAP2WG_EP4,  # MINIDI_FP4_SWAP=1
-    SWAP2WG_EP1,  # MINIDI_FP4_SWAP=1
+    pytest.param(SWAP2WG_EP4, marks=_RACY),  # never a default: experiments pass it as config=
+    pytest.param(SWAP2WG_EP1, marks=_RACY),
     Fp4GemmConfig(BM=256, BN=128, BK=64, num_warps=8, num_stages=3, swap=False, decode="asm"),
     SWAP1WG_EP4,  # default, EP4-like
     SS_EP4,
@@ -343,9 +338,6 @@ def _gpu_case(e, n, k, mean_rows, seed, skew=True):
 @pytest.mark.parametrize("shape", [(2304, 5120), (5120, 2304)], ids=["w13", "w2"])
 def test_gpu_matches_reference(cfg, shape):
     n, k = shape
-    if cfg is not None and multi_warpgroup_swap(cfg) and not swap_tiles_enabled():
-        pytest.skip("swapped (register-operand MMA) tiles of two warpgroups race with Triton 3.6: run with "
-                    "MINIDI_FP4_SWAP=1")
     x, wp, ws, offs = _gpu_case(12, n, k, 200, seed=n)
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message="fp4_grouped_mm")  # the default config must not need its fallback
@@ -353,25 +345,6 @@ def test_gpu_matches_reference(cfg, shape):
     assert_close(valid(out, offs), valid(reference(x, wp, ws, offs), offs), torch.bfloat16)
     if cfg is not None:
         assert_tail_untouched(out, offs)
-
-
-@gpu
-@pytest.mark.parametrize("e,mean_rows", [(24, 256), (24, 64), (96, 256)], ids=["ep4", "ep1", "ep4_full"])
-def test_gpu_rows_gather(e, mean_rows):
-    """The MoE's form: tokens [T, K] read through rows [R] (each token k times, sorted by expert), default config.
-    ep4_full is the benchmark's w1/w3 shape (96 experts x 256 rows), where the H200 op bench found a mismatch
-    (rewrite_fp4_experts.ABSORB_ROW_GATHER)."""
-    x, wp, ws, offs = _gpu_case(e, 2304, 5120, mean_rows, seed=mean_rows)
-    g = torch.Generator().manual_seed(5)
-    tokens = torch.randn(x.shape[0] // 6 + 1, 5120, generator=g).to(torch.bfloat16).cuda()
-    rows = torch.randint(0, tokens.shape[0], (x.shape[0],), generator=g).cuda()
-    gathered = fp4_grouped_mm(tokens[rows], wp, ws, offs)
-    for _ in range(4):  # the failure was a race (swap_tiles_enabled): it came and went between repeats
-        with warnings.catch_warnings():
-            warnings.filterwarnings("error", message="fp4_grouped_mm")
-            out = fp4_grouped_mm(tokens, wp, ws, offs, rows=rows)
-        assert torch.equal(valid(out, offs), valid(gathered, offs))
-    assert_close(valid(out, offs), valid(reference(tokens[rows], wp, ws, offs), offs), torch.bfloat16)
 
 
 @gpu
@@ -387,7 +360,7 @@ def test_gpu_ep1_like_and_fp32():
 
 
 @gpu
-@pytest.mark.parametrize("cfg", [c for c in GPU_CONFIGS if c is None or c.decode != "manual"],
+@pytest.mark.parametrize("cfg", [c for c in GPU_CONFIGS if not isinstance(c, Fp4GemmConfig) or c.decode != "manual"],
                          ids=lambda c: "default" if c is None else c.name())
 def test_gpu_edge_scale_codes(cfg):
     x, wp, ws, offs = _gpu_case(6, 2304, 1024, 100, seed=3, skew=False)
@@ -401,25 +374,17 @@ def test_gpu_edge_scale_codes(cfg):
     assert_close(out, ref, torch.bfloat16)
 
 
-def test_register_operand_tiles_only_on_request(monkeypatch):
+def test_register_operand_tiles_never_a_default(monkeypatch):
     """The GPU defaults are SWAP1WG_EP4 / SWAP1WG_EP1 (swapped, one warpgroup): never a register-operand
-    MMA tile of two warpgroups (those race with Triton 3.6 on the H200, ptxas 12.8 and 13.5 alike);
-    MINIDI_FP4_SWAP=1 takes those, for experiments."""
+    MMA tile of two warpgroups (those race with Triton 3.6 on the H200, ptxas 12.8 and 13.5 alike), whatever the
+    environment says (the old MINIDI_FP4_SWAP switch is gone); experiments pass SWAP2WG_* as ``config=``."""
     cuda = torch.device("cuda")
-    for value in (None, "0", "yes"):
-        if value is None:
-            monkeypatch.delenv("MINIDI_FP4_SWAP", raising=False)
-        else:
-            monkeypatch.setenv("MINIDI_FP4_SWAP", value)
-        assert not swap_tiles_enabled()
-        assert default_config(24576, 96, 2304, 5120, torch.bfloat16, cuda) == SWAP1WG_EP4
-        assert default_config(24576, 384, 2304, 5120, torch.bfloat16, cuda) == SWAP1WG_EP1
-        for r, e in ((24576, 96), (24576, 384), (4096, 8), (100, 1)):
-            assert not multi_warpgroup_swap(default_config(r, e, 2304, 5120, torch.bfloat16, cuda))
-    monkeypatch.setenv("MINIDI_FP4_SWAP", "1")
-    assert swap_tiles_enabled()
-    assert default_config(24576, 96, 2304, 5120, torch.bfloat16, cuda) == SWAP2WG_EP4
-    assert default_config(24576, 384, 2304, 5120, torch.bfloat16, cuda) == SWAP2WG_EP1
+    monkeypatch.setenv("MINIDI_FP4_SWAP", "1")  # no longer read
+    assert default_config(24576, 96, 2304, 5120, torch.bfloat16, cuda) == SWAP1WG_EP4
+    assert default_config(24576, 384, 2304, 5120, torch.bfloat16, cuda) == SWAP1WG_EP1
+    for r, e in ((24576, 96), (24576, 384), (4096, 8), (100, 1)):
+        for c in m.fallback_chain(r, e, 2304, 5120, torch.bfloat16, cuda):
+            assert not multi_warpgroup_swap(c)
     assert multi_warpgroup_swap(SWAP2WG_EP4) and multi_warpgroup_swap(SWAP2WG_EP1)
     assert not multi_warpgroup_swap(SWAP1WG_EP4) and not multi_warpgroup_swap(SS_EP4)
     v = ptxas_version()

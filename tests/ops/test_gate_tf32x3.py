@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from minidi.ops import _triton_utils
 from minidi.ops.gate_tf32x3 import gate_tf32x3, gate_tf32x3_ref
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -109,10 +110,11 @@ def test_clear_errors(monkeypatch):
         gate_tf32x3(x, w, x_split="fp16")
     with pytest.raises(ValueError, match="backend"):
         gate_tf32x3(x, w, backend="cuda")
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
-    with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
-        gate_tf32x3(x, w)
+    monkeypatch.setattr(_triton_utils, "INTERPRETER", False)  # as if imported without TRITON_INTERPRET=1
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET.*backend='auto'"):
+        gate_tf32x3(x, w, backend="triton")
     assert torch.equal(gate_tf32x3(x, w, backend="ref"), x.float() @ w.float().t())
+    assert torch.equal(gate_tf32x3(x, w), x.float() @ w.float().t())  # auto: the reference here
 
 
 @pytest.mark.parametrize("t,e", [(37, 24), (5, 4), (70, 64)])

@@ -1,9 +1,9 @@
-"""minidi::indexer_score / indexer_score_candidates / indexer_topk (CPU under TRITON_INTERPRET=1; @gpu on CUDA).
+"""minidi::indexer_score / indexer_topk (CPU under TRITON_INTERPRET=1; @gpu on CUDA).
 
 Oracle: the float64 reference (``indexer_score_ref(..., compute_dtype=float64)``) on the same (bf16 or fp32) inputs.
 Tolerance: |kernel - f64| <= 1e-5 * (1 + |f64|) for fp32 output (fp32 accumulation of exact products), and never
 worse than the unfused bf16 path (the model's ``indexer_topk_naive`` in bf16). -inf exactly where invisible.
-Legend: T queries, H heads, D head dim, N keys, C candidate blocks of B keys.
+Legend: T queries, H heads, D head dim, N keys.
 """
 
 from __future__ import annotations
@@ -12,15 +12,8 @@ import pytest
 import torch
 
 from minidi.model.indexer import indexer_topk_naive
-from minidi.ops.indexer_score import (
-    _launch_cand,
-    _launch_score,
-    indexer_score,
-    indexer_score_candidates,
-    indexer_score_ref,
-    indexer_topk,
-    indexer_topk_candidates,
-)
+from minidi.ops import _triton_utils
+from minidi.ops.indexer_score import _launch_score, indexer_score, indexer_score_ref, indexer_topk
 from minidi.ops.topk import topk_indices_ref
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -102,38 +95,6 @@ def test_packed_ragged_batch_and_40_two_token_sequences():
         assert_scores_close(out, indexer_score_ref(q, k, w, k_start, k_end, compute_dtype=torch.float64))
 
 
-def test_candidates_equal_dense_masked():
-    t, h, d, n, bs, c = 11, 8, 32, 203, 8, 6
-    q, k, w = inputs(t, h, d, n)
-    nb = -(-n // bs)  # last block is partial
-    cand = torch.stack([torch.randperm(nb, device=DEV)[:c] for _ in range(t)])
-    cand[0, -2:] = -1  # empty slots
-    if not (cand[1] == nb - 1).any():
-        cand[1, 0] = nb - 1  # the partial last block (no duplicate blocks: a duplicate would be picked twice)
-    k_start = torch.zeros(t, dtype=torch.long, device=DEV)
-    k_end = torch.randint(1, n + 1, (t,), device=DEV)
-    scores, kidx = _launch_cand(q, k, w, cand.int(), bs, k_start, k_end, scores=torch.full((t, c * bs), NAN,
-                                device=DEV), kidx=torch.full((t, c * bs), 7, dtype=torch.long, device=DEV), BC=16)
-    dense = indexer_score_ref(q, k, w, k_start, k_end, compute_dtype=torch.float64)
-    in_cand = torch.zeros(t, nb + 1, dtype=torch.bool, device=DEV)  # column nb collects the empty slots
-    in_cand.scatter_(1, torch.where(cand >= 0, cand, nb).long(), True)
-    dense = dense.masked_fill(~in_cand[:, :nb].repeat_interleave(bs, 1)[:, :n], float("-inf"))
-    scattered = torch.full((t, n + 1), float("-inf"), dtype=torch.float64, device=DEV)
-    scattered.scatter_(1, torch.where(kidx >= 0, kidx, n), scores.double())
-    assert_scores_close(scattered[:, :n], dense)
-    expect_kidx = (cand.long()[:, :, None] * bs + torch.arange(bs, device=DEV)).flatten(1)
-    expect_kidx = torch.where((cand.long().repeat_interleave(bs, 1) >= 0) & (expect_kidx < k_end[:, None]),
-                              expect_kidx, -1)
-    assert torch.equal(kidx, expect_kidx)
-    assert torch.equal(scores == float("-inf"), kidx < 0)
-    # public wrapper and the top-k on candidates
-    s2, k2 = indexer_score_candidates(q, k, w, cand, bs, k_start, k_end)
-    assert torch.equal(k2, kidx)
-    top = indexer_topk_candidates(q, k, w, cand, bs, k_start, k_end, 8)
-    ref_top = topk_indices_ref(dense.float(), 8)
-    assert torch.equal(top.sort(1).values, ref_top.sort(1).values)
-
-
 def test_indexer_topk_matches_naive():
     h, d, topk = 8, 32, 16
     k_start, k_end, n = packed_batch([7, 3, 10], [120, 9, 300])  # ragged: fewer than topk visible in places
@@ -173,8 +134,6 @@ def test_opcheck():
     ks = torch.zeros(5, dtype=torch.long, device=DEV)
     ke = torch.tensor([40, 3, 0, 17, 33], device=DEV)
     torch.library.opcheck(torch.ops.minidi.indexer_score.default, (q, k, w, ks, ke, torch.float32, True))
-    cand = torch.tensor([[0, 2], [4, -1], [1, 3], [2, 2], [-1, -1]], device=DEV)
-    torch.library.opcheck(torch.ops.minidi.indexer_score_candidates.default, (q, k, w, cand, 8, ks, ke))
 
 
 def test_errors(monkeypatch):
@@ -192,15 +151,12 @@ def test_errors(monkeypatch):
         indexer_score(q.double(), k, w, ks, ke)
     with pytest.raises(TypeError, match="out_dtype"):
         indexer_score(q, k, w, ks, ke, out_dtype=torch.float16)
-    with pytest.raises(ValueError, match="cand_blocks must be"):
-        indexer_score_candidates(q, k, w, torch.zeros(2, 3, dtype=torch.long), 4, ks, ke)
-    with pytest.raises(ValueError, match="block_size"):
-        indexer_score_candidates(q, k, w, torch.zeros(3, 3, dtype=torch.long), 0, ks, ke)
     with pytest.raises(ValueError, match="allowed must be"):
         indexer_topk(q, k, w, ks, ke, 4, torch.ones(3, 9, dtype=torch.bool))
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
-    with pytest.raises(RuntimeError, match="backend='ref'"):
-        indexer_score(q, k, w, ks, ke)
+    monkeypatch.setattr(_triton_utils, "INTERPRETER", False)  # as if imported without TRITON_INTERPRET=1
+    with pytest.raises(RuntimeError, match="backend='auto'"):
+        indexer_score(q, k, w, ks, ke, backend="triton")
+    assert torch.equal(indexer_score(q, k, w, ks, ke), indexer_score(q, k, w, ks, ke, backend="ref"))  # auto: ref
 
 
 # ------------------------------------------------------------------------------------------------ GPU, V4.1-Flash
@@ -241,7 +197,7 @@ def test_gpu_v4_dense_and_topk():
 
 
 @pytest.mark.gpu
-def test_gpu_packed_and_candidates():
+def test_gpu_packed():
     h, d = 32, 128
     k_start, k_end, n = packed_batch([1000, 7, 3000, 2] + [2] * 40, [20000, 7, 60000, 2] + [2] * 40, "cuda")
     t = k_start.shape[0]
@@ -250,14 +206,3 @@ def test_gpu_packed_and_candidates():
     rows = torch.tensor([0, 999, 1000, 1007, 2500, 4006, t - 1], device="cuda")
     assert_scores_close(out[rows], indexer_score_ref(q[rows], k, w[rows], k_start[rows], k_end[rows],
                                                      compute_dtype=torch.float64))
-    bs, c = 8, 2048
-    nb = -(-n // bs)
-    cand = torch.stack([torch.randperm(nb, device="cuda")[:c] for _ in range(64)])
-    ks, ke = torch.zeros(64, dtype=torch.long, device="cuda"), torch.full((64,), n, device="cuda")
-    q, w = q[:64], w[:64]
-    s, kidx = indexer_score_candidates(q, k, w, cand, bs, ks, ke)
-    s_ref, kidx_ref = indexer_score_candidates(q, k, w, cand, bs, ks, ke, backend="ref")
-    assert torch.equal(kidx, kidx_ref)
-    fin = torch.isfinite(s_ref)
-    assert torch.equal(torch.isfinite(s), fin)
-    assert ((s - s_ref)[fin].abs() <= 1e-4 * (1 + s_ref[fin].abs())).all()

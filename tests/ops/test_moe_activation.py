@@ -10,9 +10,11 @@ import torch
 import triton
 import triton.language as tl
 
+from minidi.formats import pow2_ceil
 from minidi.model.moe import swiglu_clipped
 from minidi.model.quant import fq8
-from minidi.ops.moe_activation import (_round_bf16, _round_e4m3, grid_step, launch, moe_activation,
+from minidi.ops import _triton_utils
+from minidi.ops.moe_activation import (_pow2_ceil, _round_bf16, _round_e4m3, grid_step, launch, moe_activation,
                                        moe_activation_ref)
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -129,6 +131,26 @@ def test_e4m3_and_bf16_rounding_bit_exact():
     assert torch.equal(bf.cpu()[:-1], y[:-1].bfloat16().float()) and bf.cpu()[-1].isnan()
 
 
+@triton.jit
+def _pow2_probe(x_ptr, o_ptr, N, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(o_ptr + i, _pow2_ceil(tl.load(x_ptr + i, mask=i < N, other=1.0)), mask=i < N)
+
+
+def test_pow2_ceil_twin():
+    """The kernel's ``_pow2_ceil`` equals ``minidi.formats.pow2_ceil`` (the fq8 scale) bit for bit: powers of two,
+    their neighbours, the smallest and largest normals, random positive normals."""
+    gen = torch.Generator().manual_seed(3)
+    p2 = 2.0 ** torch.arange(-126, 127, dtype=torch.float64)
+    x = torch.cat([p2.float(), p2.float().nextafter(torch.tensor(0.0)), p2.float().nextafter(torch.tensor(1e38)),
+                   torch.tensor([torch.finfo(torch.float32).tiny, 1e-4 / 448, 3.0, 448.0 * 1.5]),
+                   torch.rand(512, generator=gen) * 1e3 + 1e-30])
+    x = x[(x >= torch.finfo(torch.float32).tiny) & (x < 2.0**127)]  # positive normals with a normal ceiling
+    out = torch.empty_like(x, device=DEV)
+    _pow2_probe[(triton.cdiv(x.numel(), 128),)](x.to(DEV), out, x.numel(), BLOCK=128)
+    assert torch.equal(out.cpu(), pow2_ceil(x))
+
+
 def test_ref_backend_public_op_and_compile():
     g, v, ws, offs = make(37, 256, [5, 0, 15, 10], torch.bfloat16)
     n = int(offs[-1])
@@ -156,10 +178,12 @@ def test_clear_errors(monkeypatch):
         moe_activation(g, v, ws, offs, 10.0, 96)
     with pytest.raises(ValueError, match="backend"):
         moe_activation(g, v, ws, offs, 10.0, 128, backend="cuda")
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(_triton_utils, "INTERPRETER", False)  # as if imported without TRITON_INTERPRET=1
     if DEV == "cpu":
-        with pytest.raises(RuntimeError, match="backend='ref'"):
-            moe_activation(g, v, ws, offs, 10.0, 128)
+        with pytest.raises(RuntimeError, match="backend='auto'"):
+            moe_activation(g, v, ws, offs, 10.0, 128, backend="triton")
+        assert torch.equal(moe_activation(g, v, ws, offs, 10.0, 128),  # auto: the reference here
+                           moe_activation(g, v, ws, offs, 10.0, 128, backend="ref"))
 
 
 @gpu

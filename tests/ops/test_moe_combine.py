@@ -12,6 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from minidi.model.moe import moe_combine_naive
+from minidi.ops import _triton_utils
 from minidi.ops.moe_combine import moe_combine, moe_combine_ref
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -130,6 +132,15 @@ def test_deterministic_across_runs():
     assert torch.equal(a.view(torch.int32), b.view(torch.int32))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_ref_is_the_model_naive_function(dtype):
+    """``moe_combine_ref`` is a deliberate twin of the model's ``moe_combine_naive`` (the ops import nothing of the
+    model): bit-equal, NaN-poisoned non-local rows included."""
+    torch.manual_seed(11)
+    rows, order, local = make(13, 6, 48, dtype)
+    assert torch.equal(moe_combine_ref(rows, order, local, 6), moe_combine_naive(rows, order, local, 6))
+
+
 def test_empty():
     rows = torch.empty(0, 64, dtype=torch.bfloat16)
     out = moe_combine(rows, torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.bool), 6)
@@ -156,10 +167,11 @@ def test_clear_errors(monkeypatch):
         moe_combine(rows, order.to("meta"), local, 2)
     with pytest.raises(ValueError, match="backend"):
         moe_combine(rows, order, local, 2, backend="cuda")
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
-    with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
-        moe_combine(rows, order, local, 2)
+    monkeypatch.setattr(_triton_utils, "INTERPRETER", False)  # as if imported without TRITON_INTERPRET=1
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET.*backend='auto'"):
+        moe_combine(rows, order, local, 2, backend="triton")
     assert torch.equal(moe_combine(rows, order, local, 2, backend="ref"), moe_combine_ref(rows, order, local, 2))
+    assert torch.equal(moe_combine(rows, order, local, 2), moe_combine_ref(rows, order, local, 2))  # auto: the ref
 
 
 @pytest.mark.gpu

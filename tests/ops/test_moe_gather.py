@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from minidi.ops import _triton_utils
 from minidi.ops.moe_gather import gather_rows, gather_rows_ref, launch
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -100,10 +101,11 @@ def test_clear_errors(monkeypatch):
         gather_rows(x, idx, offs[:0])
     with pytest.raises(ValueError, match="backend"):
         gather_rows(x, idx, offs, backend="cuda")
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(_triton_utils, "INTERPRETER", False)  # as if imported without TRITON_INTERPRET=1
     if DEV == "cpu":
-        with pytest.raises(RuntimeError, match="backend='ref'"):
-            gather_rows(x, idx, offs)
+        with pytest.raises(RuntimeError, match="backend='auto'"):
+            gather_rows(x, idx, offs, backend="triton")
+        assert torch.equal(gather_rows(x, idx, offs), gather_rows(x, idx, offs, backend="ref"))  # auto: the ref
 
 
 @gpu

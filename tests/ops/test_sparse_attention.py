@@ -12,6 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from minidi.model.sparse_attention import sparse_attention_naive
+from minidi.ops import _triton_utils
 from minidi.ops.sparse_attention import launch, sparse_attention, sparse_attention_ref
 
 BF16_TOL = dict(rtol=2**-7, atol=4e-3)
@@ -176,6 +178,20 @@ def test_window_only_int32_indices_and_query_without_keys():
                                rtol=0, atol=5e-4)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("comp", [True, False])
+def test_ref_is_the_model_naive_function(dtype, comp):
+    """``sparse_attention_ref`` is a deliberate twin of the model's ``sparse_attention_naive`` (the ops import nothing
+    of the model): bit-equal on the same inputs, NaN (a query without keys) included."""
+    args = _case(9, 4, 32, 7, 5, dtype=dtype, seed=4, comp=comp)
+    args[2][3] = -1  # query 3 sees no window key
+    if comp:
+        args[4][3] = -1  # ... and no compressed key: NaN in both
+    ref, naive = sparse_attention_ref(*args, 0.17), sparse_attention_naive(*args, 0.17)
+    assert torch.equal(ref.isnan(), naive.isnan()) and (not comp or ref[3].isnan().all())
+    assert torch.equal(ref.nan_to_num(), naive.nan_to_num())
+
+
 def test_empty_batch():
     q, wkv, widx, ckv, cidx, sink = _case(3, 3, 32, 4, 3)
     out = sparse_attention(q[:0], wkv, widx[:0], ckv, cidx[:0], sink, 0.3)
@@ -212,10 +228,11 @@ def test_clear_errors(monkeypatch):
     with pytest.raises(ValueError, match="D must be <= 512"):
         big = torch.zeros(1, 1, 520)
         sparse_attention(big, torch.zeros(2, 520), widx[:1], None, None, sink[:1], 0.3)
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
-    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
-        sparse_attention(q, wkv, widx, ckv, cidx, sink, 0.3)
-    sparse_attention(q, wkv, widx, ckv, cidx, sink, 0.3, backend="ref")  # the reference still runs
+    monkeypatch.setattr(_triton_utils, "INTERPRETER", False)  # as if imported without TRITON_INTERPRET=1
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1.*backend='auto'"):
+        sparse_attention(q, wkv, widx, ckv, cidx, sink, 0.3, backend="triton")
+    ref = sparse_attention(q, wkv, widx, ckv, cidx, sink, 0.3, backend="ref")  # the reference still runs
+    assert torch.equal(sparse_attention(q, wkv, widx, ckv, cidx, sink, 0.3), ref)  # auto: the reference here
 
 
 # ---- realistic sizes on the GPU -----------------------------------------------------------------------------------

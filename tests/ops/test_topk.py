@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from minidi.ops import _triton_utils
 from minidi.ops.topk import _launch_topk, topk_indices, topk_indices_ref
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -144,10 +145,11 @@ def test_errors(monkeypatch):
         topk_indices(s, 3, k_end=torch.tensor([1, 2, 3]))
     with pytest.raises(ValueError, match="backend"):
         topk_indices(s, 3, backend="cuda")
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
-    with pytest.raises(RuntimeError, match="backend='ref'"):
-        topk_indices(s, 3)
+    monkeypatch.setattr(_triton_utils, "INTERPRETER", False)  # as if imported without TRITON_INTERPRET=1
+    with pytest.raises(RuntimeError, match="backend='auto'"):
+        topk_indices(s, 3, backend="triton")
     assert topk_indices(s, 3, backend="ref").shape == (2, 3)
+    assert torch.equal(topk_indices(s, 3), topk_indices(s, 3, backend="ref"))  # auto: the reference here
 
 
 @pytest.mark.gpu

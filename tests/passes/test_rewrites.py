@@ -373,16 +373,11 @@ class GraphModule(torch.nn.Module):
 """)
 
 
-@pytest.mark.parametrize("absorb", [True, False])
-def test_fp4_grouped_mm_absorbs_the_row_gather(absorb, monkeypatch):
-    """bf16 (``torch._grouped_mm`` form) with x = tokens[rows], two GEMMs on the same gathered rows (w1, w3): with
-    ABSORB_ROW_GATHER both read the tokens by index and the [R, K] gather is gone; without it (the default) the
-    gather stays and feeds both. Compared with the op on the gathered rows (CPU torch has no bf16 grouped GEMM to
-    run the naive graph)."""
+def test_fp4_grouped_mm_keeps_the_row_gather():
+    """bf16 (``torch._grouped_mm`` form) with x = tokens[rows], two GEMMs on the same gathered rows (w1, w3): both
+    are rewritten and the [R, K] gather stays and feeds both (pass I, not D, rewrites the gather). Compared with the
+    op on the gathered rows (CPU torch has no bf16 grouped GEMM to run the naive graph)."""
     from minidi.ops.fp4_grouped_gemm import fp4_grouped_mm
-    from minidi.passes import rewrite_fp4_experts
-
-    monkeypatch.setattr(rewrite_fp4_experts, "ABSORB_ROW_GATHER", absorb)
 
     g = torch.Generator().manual_seed(9)
     x, packed, scale, offs = experts_inputs(g)
@@ -398,9 +393,9 @@ def test_fp4_grouped_mm_absorbs_the_row_gather(absorb, monkeypatch):
     one = fp4_grouped_mm(tokens[rows], packed, scale, offs)
     assert torch.equal(out, one + one)
     calls = [n for n in after.graph.nodes if n.op == "call_function" and "fp4_grouped_mm" in str(n.target)]
-    assert len(calls) == 2 and all((c.kwargs.get("rows") is not None) == absorb for c in calls)
+    assert len(calls) == 2 and all(c.args[0] is calls[0].args[0] for c in calls)
     gathers = [n for n in after.graph.nodes if n.op == "call_function" and "getitem" in str(n.target)]
-    assert len(gathers) == (0 if absorb else 1)
+    assert len(gathers) == 1 and calls[0].args[0] is gathers[0]
 
 
 def test_fp4_lookalike_dequant_without_grouped_gemm():

@@ -1,0 +1,73 @@
+"""Checkpoint number formats in plain torch: the one place their math is written (a leaf: imports torch only).
+
+Both sides of the model/ops wall import it: ``minidi.model.quant`` (dequant and fake-quant), the ops' plain-torch
+references (``minidi.ops``) and the pass that recognises the model's FP4 decode (pass D). Triton kernels carry
+their own ``@triton.jit`` twins of some of these functions (a kernel cannot call torch); each twin says so in its
+docstring and ``tests/test_formats.py`` / the op tests hold it equal to the function here.
+
+- E8M0 (``float8_e8m0fnu``, one byte): b -> 2^(b-127); edge codes 0 -> 2^-127 (the fp32 subnormal 0x00400000),
+  255 -> NaN.
+- FP4 e2m1, packed two per byte (``int8`` [..., n/2]): element 2i = low nibble, 2i+1 = high nibble; nibble bit 3 =
+  sign, bits 0-2 index the grid {0, .5, 1, 1.5, 2, 3, 4, 6}; one E8M0 scale per ``FP4_BLOCK`` = 32 consecutive
+  elements along the last dim.
+- FP8 e4m3 (``float8_e4m3fn``): largest finite magnitude ``E4M3_MAX`` = 448.
+"""
+
+from __future__ import annotations
+
+import torch
+
+E4M3_MAX = 448.0  # largest finite float8_e4m3fn
+E2M1_MAX = 6.0  # largest e2m1 magnitude
+E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # magnitude of codes 0..7 (code | 8: the negative)
+FP4_BLOCK = 32  # elements per E8M0 scale of the FP4 expert weights (1 x 32 along the input)
+E8M0_MIN_BITS = 0x00400000  # fp32 bits of 2^-127, the value of E8M0 code 0 (an fp32 subnormal)
+E8M0_NAN_BITS = 0x7FC00000  # fp32 bits of the NaN E8M0 code 255 decodes to
+
+
+# ---- E8M0 ----------------------------------------------------------------------------------------------------------
+def e8m0_to_float(scale: torch.Tensor) -> torch.Tensor:
+    """E8M0 bytes (``float8_e8m0fnu`` or ``uint8``) -> fp32 powers of two, exact; 0 -> 2^-127, 255 -> NaN."""
+    b = scale.view(torch.uint8).to(torch.int32)
+    bits = torch.where(b == 0, torch.full_like(b, E8M0_MIN_BITS), b << 23)
+    bits = torch.where(b == 255, torch.full_like(b, E8M0_NAN_BITS), bits)
+    return bits.view(torch.float32)
+
+
+def float_to_e8m0(pow2: torch.Tensor) -> torch.Tensor:
+    """Exact powers of two in [2^-127, 2^127] (fp32) -> ``float8_e8m0fnu`` codes."""
+    bits = pow2.float().view(torch.int32)
+    code = torch.where(bits == E8M0_MIN_BITS, torch.zeros_like(bits), (bits >> 23) & 0xFF)
+    return code.to(torch.uint8).view(torch.float8_e8m0fnu)
+
+
+def pow2_ceil(y: torch.Tensor) -> torch.Tensor:
+    """2^ceil(log2(y)) for positive normal fp32 ``y``, exact (bit arithmetic, no log rounding): the power-of-two
+    (E8M0-representable) scale that maps a block's amax / format max to at most 1."""
+    bits = y.view(torch.int32)
+    exp = (bits >> 23) & 0xFF
+    exp = exp + ((bits & 0x7FFFFF) != 0).to(torch.int32)
+    return (exp << 23).view(torch.float32)
+
+
+# ---- FP4 (e2m1) ----------------------------------------------------------------------------------------------------
+def e2m1_grid(device: torch.device | str = "cpu") -> torch.Tensor:
+    """Value of each 4-bit code 0..15, fp32 [16]."""
+    g = torch.tensor(E2M1_GRID, dtype=torch.float32, device=device)
+    return torch.cat([g, -g])
+
+
+def unpack_fp4_codes(packed: torch.Tensor) -> torch.Tensor:
+    """int8/uint8 [..., n/2] -> codes int64 [..., n]; element 2i = low nibble, 2i+1 = high nibble."""
+    b = packed.view(torch.uint8).to(torch.int64)
+    return torch.stack([b & 0xF, b >> 4], dim=-1).flatten(-2)
+
+
+def dequant_fp4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, block: int = FP4_BLOCK) -> torch.Tensor:
+    """Packed e2m1 [..., out, in/2] x E8M0 [..., out, in/block] -> ``dtype`` [..., out, in] (exact in fp32).
+
+    Pass D (``minidi/passes/rewrite_fp4_experts.py``) recognises exactly this sequence of torch calls in the traced
+    model: change it and that pass's matcher together."""
+    vals = e2m1_grid(packed.device)[unpack_fp4_codes(packed)]
+    s = e8m0_to_float(scale).repeat_interleave(block, dim=-1)
+    return (vals * s).to(dtype)
