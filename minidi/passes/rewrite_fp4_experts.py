@@ -32,7 +32,7 @@ from minidi.ops.fp4_grouped_gemm import fp4_grouped_mm
 
 from .base import Match, Rewrite
 from .fx_utils import arg, dims_equal, dtype, is_call, is_literal, n_args, normalize_einsum, rank, same_int, val
-from .rewrite_moe_gather import row_gather
+from .patterns import row_gather
 
 _NAN_BITS, _MIN_BITS = 0x7FC00000, 0x00400000
 

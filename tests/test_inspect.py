@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from minidi.passes.inspect_cli import main
+from minidi.inspect import main
 
 
 def test_inspect_cli(tmp_path, capsys):
