@@ -59,6 +59,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="passes of the 'passes' mode: all | A,B,... (docs/passes.md)")
     ap.add_argument("--compile_scope", choices=("layer", "model"), default="layer")
     ap.add_argument("--backend", default="inductor", help="inner torch.compile backend")
+    ap.add_argument("--faithful_rounding", choices=("on", "off"), default="on",
+                    help="compiled modes round where eager does (Inductor emulate_precision_casts)")
     ap.add_argument("--emulate-ep", "--emulate_ep", dest="emulate_ep", type=int, default=1,
                     help="reproduce one rank of expert parallelism N on this device")
     ap.add_argument("--share_experts", "--share-experts", choices=("auto", "on", "off"), default="auto",
@@ -152,14 +154,13 @@ def profile_steps(step, wl, n: int, device: str, trace_path: Path) -> tuple[dict
 def make_step(model, mode: str, args):
     """The callable of one mode, and its pass manager / regional step (for match counts)."""
     torch._dynamo.reset()
-    for block in model.layers:  # undo an earlier mode's per-layer compile
-        block._compiled_call_impl = None
-    model.layer_hook = None
+    minidi.uncompile(model)  # undo an earlier mode's per-layer compile
     if mode == "eager":
         return model.step
     passes = args.passes if mode == "passes" else "none"
     return minidi.compile(model, passes, strict=mode == "passes", backend=args.backend, fullgraph=True,
-                          dynamic=True, regional=args.compile_scope == "layer")
+                          dynamic=True, regional=args.compile_scope == "layer",
+                          faithful_rounding=args.faithful_rounding == "on")
 
 
 def pass_matches(step) -> dict | None:

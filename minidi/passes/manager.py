@@ -1,4 +1,8 @@
-"""The pass manager and ``minidi.compile``, the one entry point that compiles a model step with the rewrites.
+"""The pass registry and ``PassManager``, which runs the selected rewrites over one FX graph.
+
+Model-agnostic: the manager knows passes, not models. What a model must match comes in as data (``expected``: pass
+key -> layer of every site; ``minidi.runtime.compile.expected_sites(cfg)`` derives it from a config), and the
+backend, ``minidi.compile`` and per-layer compilation live in ``minidi/runtime/compile.py``.
 
 Graph level: the passes rewrite the **Dynamo FX graph** (torch-level calls: one ``einsum`` node, ``index_copy_``,
 ``cat``, ``where``) inside a custom ``torch.compile`` backend, which then hands the rewritten GraphModule to the inner
@@ -11,9 +15,9 @@ disjoint subgraphs (B's top-k output feeds A's ``comp_idx``, and both read only 
 the GEMMs D leaves (either form), so apart from fp32 models (where H and I need D first) the order changes no match;
 it is fixed so that logs and graphs are stable.
 
-    step = minidi.compile(model, passes="all", strict=True, backend="inductor")
-    logits = step(meta, cache)
-    step.pass_manager.counts          # tiny V4.1: {"C": 10, "E": 10, "D": 30, "A": 10, "B": 4, "F": 20, ...}
+    manager = PassManager("all", strict=True, expected=expected_sites(cfg))
+    manager.run(gm)                   # rewrites gm in place
+    manager.counts                    # tiny V4.1: {"C": 10, "E": 10, "D": 30, "A": 10, "B": 4, "F": 20, ...}
 """
 
 from __future__ import annotations
@@ -26,12 +30,9 @@ import sys
 import warnings
 from collections import Counter
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Iterable
 
-import torch
 from torch.fx import Graph, GraphModule
-
-from minidi.model.config import ModelConfig
 
 from .base import Rewrite, apply_match, site_of
 from .rewrite_fp4_experts import FP4GroupedMM
@@ -55,36 +56,10 @@ REWRITES: tuple[type[Rewrite], ...] = (MoECombine, GateTF32x3, FP4GroupedMM, Spa
                                         HCMixTF32x3, HCExpand, MoEActivation, MoERowGather)
 BY_KEY: dict[str, type[Rewrite]] = {r.key: r for r in REWRITES}
 BY_NAME: dict[str, type[Rewrite]] = {r.name: r for r in REWRITES}
-GEMMS_PER_MOE = 3  # w1, w3, w2: pass D matches each expert GEMM
-HC_SITES_PER_LAYER = 2  # the attention and the FFN mHC site: passes F (mixer) and G (stream update) match each
 
 
 class PassMatchError(RuntimeError):
     """strict mode: a pass matched a different number of sites than the model has."""
-
-
-def expected_sites(cfg: ModelConfig, regional: bool = False) -> dict[str, list[int | None]]:
-    """Layer of every site each pass must match in one model step, from the config.
-
-    A: every layer (window-only layers too); B: every index-source layer (V4.1: owners and re-index layers; V4:
-    the ratio-4 layers); C, E: every layer (one MoE each, hash-routed layers still compute the gate logits);
-    D: every layer, three times (w1, w3, w2); F: every layer twice (the attention and FFN mHC mixers), plus V4's
-    head (``hc_head``, outside the layers: site None) unless ``regional`` (only the layers are compiled then);
-    G: every layer twice (the stream update after attention and after the MoE); H and I: every layer (the MoE's
-    expert activation and its dispatch gather; in fp32 models only after D). Only the selected passes are checked."""
-    layers = list(range(cfg.n_layers))
-    head: list[int | None] = [] if (cfg.is_v41 or regional) else [None]
-    return {
-        "A": layers,
-        "B": [i for i in layers if cfg.is_index_source(i)],
-        "C": layers,
-        "D": [i for i in layers for _ in range(GEMMS_PER_MOE)],
-        "E": layers,
-        "F": [i for i in layers for _ in range(HC_SITES_PER_LAYER)] + head,
-        "G": [i for i in layers for _ in range(HC_SITES_PER_LAYER)],
-        "H": layers,
-        "I": layers,
-    }
 
 
 def select(passes: str | Iterable[str] | None) -> list[str]:
@@ -125,7 +100,8 @@ def _source_hash(objs: Iterable[Any], extra: str = "") -> str:
 class PassManager(_PassBase):
     """Runs the selected rewrites over one FX graph, counts their matches per pass and checks them.
 
-    ``expected``: pass key -> layer of each site (``expected_sites(cfg)``); passes without an entry are not checked.
+    ``expected``: pass key -> layer of each site (``minidi.runtime.compile.expected_sites(cfg)``); passes without an
+    entry are not checked.
     ``strict``: a count that differs from the expected one raises ``PassMatchError`` naming the pass, the expected
     and matched counts and the layers missed; otherwise a warning, and the unmatched sites keep the naive code
     (each rewrite is local and exact, so a partial rewrite never changes the result).
@@ -154,7 +130,7 @@ class PassManager(_PassBase):
         keys custom passes by it, and a stale key would serve graphs compiled with the old passes."""
         mods = [sys.modules[__name__], sys.modules[Rewrite.__module__]]
         mods += [sys.modules[type(r).__module__] for r in self.rewrites]
-        mods.append(sys.modules["minidi.passes.fx_utils"])
+        mods += [sys.modules["minidi.passes.fx_utils"], sys.modules["minidi.passes.patterns"]]
         return _source_hash(mods, f"{self.keys}|{self.strict}|{self.op_backend}")
 
     def __call__(self, graph: Graph | GraphModule) -> dict[str, int]:
@@ -223,127 +199,3 @@ class PassManager(_PassBase):
                 + (f" / {len(self.expected[k])} expected" if self.expected and k in self.expected else "")
                 for k in self.keys]
         return "\n".join(rows)
-
-
-def make_backend(manager: PassManager, inner: str | Callable = "inductor") -> Callable:
-    """A ``torch.compile`` backend: run the passes on Dynamo's GraphModule, then the inner backend on the result."""
-    from torch._dynamo.backends.registry import lookup_backend
-
-    inner_fn = lookup_backend(inner) if isinstance(inner, str) else inner
-
-    def minidi_backend(gm: GraphModule, example_inputs: list) -> Callable:
-        n, layer = len(manager.history), manager.current_layer
-        before = manager.layer_counts.get(layer)
-        manager.run(gm)
-        try:
-            return inner_fn(gm, example_inputs)
-        except BaseException:  # e.g. a restart of the trace: this graph is discarded, so forget its counts
-            del manager.history[n:]
-            if layer is not None:
-                manager.layer_counts.pop(layer, None)
-                if before is not None:
-                    manager.layer_counts[layer] = before
-            raise
-
-    minidi_backend.pass_manager = manager  # type: ignore[attr-defined]
-    return minidi_backend
-
-
-def compile(  # noqa: A001 (minidi.compile mirrors torch.compile)
-    model_or_step: torch.nn.Module | Callable,
-    passes: str | Iterable[str] | None = "all",
-    *,
-    strict: bool = False,
-    backend: str | Callable = "inductor",
-    op_backend: str = "triton",
-    expected: dict[str, list[int]] | None = None,
-    keep_graphs: bool = False,
-    fullgraph: bool = True,
-    dynamic: bool | None = True,
-    regional: bool = False,
-    **compile_kwargs: Any,
-) -> Callable:
-    """Compile a model step (a minidi ``Transformer``: its ``step``; or any callable / module) with minidi's passes.
-
-    ``passes``: "all", "none", "A,B" or a list of keys / names. ``strict``: fail compilation when a pass matches a
-    different number of sites than ``expected`` (default: ``expected_sites(model.cfg)`` when the model has a
-    config; strict needs ``fullgraph=True``: one graph must hold the whole step). ``backend``: the inner backend
-    that compiles the rewritten graph ("inductor", "aot_eager", ...). ``op_backend``: "triton" (CUDA, or CPU under
-    ``TRITON_INTERPRET=1``) or "ref" for the ops the passes insert. The returned callable has ``.pass_manager``.
-    """
-    fn = model_or_step
-    owner = model_or_step
-    if isinstance(model_or_step, torch.nn.Module) and callable(getattr(model_or_step, "step", None)):
-        fn = model_or_step.step
-    else:
-        owner = getattr(model_or_step, "__self__", model_or_step)
-    cfg = getattr(owner, "cfg", None)
-    if expected is None and isinstance(cfg, ModelConfig):
-        expected = expected_sites(cfg, regional=regional)
-    manager = PassManager(passes, strict=strict, expected=expected, op_backend=op_backend, keep_graphs=keep_graphs)
-    if regional:
-        return _compile_regional(owner, manager, backend, fullgraph=fullgraph, dynamic=dynamic, **compile_kwargs)
-    compiled = torch.compile(fn, backend=make_backend(manager, backend), fullgraph=fullgraph, dynamic=dynamic,
-                             **compile_kwargs)
-    compiled.pass_manager = manager
-    return compiled
-
-
-def layer_kind(block: torch.nn.Module) -> tuple:
-    """What makes two layers trace to the same graph: their roles (the forward reads nothing else that differs)."""
-    a = block.attn
-    return (a.ratio, a.kv_source, a.index_source, a.owns_index_keys, a.candidate_filtered, a.candidate_source,
-            a.v4_indexer, block.has_engram, block.ffn.gate.hash)
-
-
-class RegionalStep:
-    """A model step whose layers are compiled one by one (``minidi.compile(..., regional=True)``).
-
-    Each ``Block`` is compiled on its own; layers of the same kind (``layer_kind``) share one compiled graph, so a
-    40-layer model compiles a handful of graphs instead of one 40-layer graph (minutes less on the GPU). Everything
-    between the layers (embedding, Engram hashing, head) runs eagerly. With ``strict``, every compiled graph is
-    checked against the sites of the layer it was compiled for; ``counts`` is then the model's total, summing each
-    layer's graph (a layer that ran a graph compiled for another layer of its kind counts that graph)."""
-
-    def __init__(self, model: torch.nn.Module, manager: PassManager) -> None:
-        self.model, self.pass_manager = model, manager
-        self.kinds = [layer_kind(b) for b in model.layers]
-        model.layer_hook = self._before_layer
-
-    def _before_layer(self, i: int) -> None:
-        self.pass_manager.current_layer = i
-
-    def __call__(self, *args, **kwargs):
-        try:
-            return self.model.step(*args, **kwargs)
-        finally:
-            self.pass_manager.current_layer = None
-
-    @property
-    def counts(self) -> dict[str, int]:
-        """Matches summed over the model's layers (each layer counted with the graph of its kind)."""
-        by_kind = {self.kinds[i]: c for i, c in self.pass_manager.layer_counts.items()}
-        total: Counter = Counter({k: 0 for k in self.pass_manager.keys})
-        for i, kind in enumerate(self.kinds):
-            if kind not in by_kind:
-                raise RuntimeError(f"layer {i} ran no compiled graph of its kind {kind} (has the step run?)")
-            total.update(by_kind[kind])
-        return dict(total)
-
-    @property
-    def graphs(self) -> int:
-        return len(self.pass_manager.layer_counts)
-
-
-def _compile_regional(model: torch.nn.Module, manager: PassManager, backend: str | Callable, **compile_kwargs: Any
-                      ) -> RegionalStep:
-    if not hasattr(model, "layers") or not hasattr(model, "step"):
-        raise TypeError("regional compilation needs a minidi Transformer (with .layers and .step)")
-    limits = ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit", "accumulated_cache_size_limit")
-    for name in limits:  # one code object (Block.forward), one graph per layer kind: raise Dynamo's per-code cap
-        if hasattr(torch._dynamo.config, name):
-            setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 4 * len(model.layers)))
-    fn = make_backend(manager, backend)
-    for block in model.layers:
-        block.compile(backend=fn, **compile_kwargs)
-    return RegionalStep(model, manager)

@@ -27,7 +27,7 @@ from minidi.ops.gate_tf32x3 import THIN_N, gate_tf32x3
 
 from .base import Match, Rewrite
 from .fx_utils import dtype, val
-from .rewrite_gate import feeds_softplus, fp32_gemm
+from .patterns import feeds_softplus, fp32_gemm
 
 
 class HCMixTF32x3(Rewrite):

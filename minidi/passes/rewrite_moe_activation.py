@@ -24,11 +24,11 @@ import torch
 from torch.fx import Node
 
 from minidi.model.quant import E4M3_MAX
-from minidi.ops.fp4_grouped_gemm import fp4_grouped_mm
 from minidi.ops.moe_activation import moe_activation
 
 from .base import Match, Rewrite
 from .fx_utils import arg, const_number, dims_equal, dtype, is_call, is_literal, rank
+from .patterns import grouped_gemm_offs
 
 
 def _only_users(node: Node, allowed: set[Node]) -> bool:
@@ -41,17 +41,6 @@ def _method(node, name: str, *literal_args) -> bool:
         return False
     return all(a is b or (not isinstance(a, Node) and a == b) or (isinstance(b, (int, float)) and const_number(a) == b)
                for a, b in zip(node.args[1:], literal_args))
-
-
-def grouped_gemm_offs(node) -> Node | None:
-    """``offs`` of a grouped GEMM node: torch._grouped_mm(x, w, offs=offs) or fp4_grouped_mm(x, p, s, offs, ...)."""
-    if not isinstance(node, Node):
-        return None
-    if is_call(node, "_grouped_mm"):
-        return node.kwargs.get("offs")
-    if node.op == "call_function" and node.target is fp4_grouped_mm and len(node.args) >= 4:
-        return node.args[3]
-    return None
 
 
 def fq8_input(node: Node) -> tuple[Node, int, set[Node]] | None:

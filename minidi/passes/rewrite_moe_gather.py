@@ -19,23 +19,10 @@ from __future__ import annotations
 
 from torch.fx import Node
 
-from minidi.ops.moe_gather import IDX_DTYPES, X_DTYPES, gather_rows
+from minidi.ops.moe_gather import gather_rows
 
 from .base import Match, Rewrite
-from .fx_utils import dtype, is_call, rank
-from .rewrite_moe_activation import grouped_gemm_offs
-
-
-def row_gather(node) -> tuple[Node, Node] | None:
-    """node = x[idx] (a 1-D integer index into a 2-D float tensor) -> (x, idx)."""
-    if not (is_call(node, "getitem") and len(node.args) == 2 and isinstance(node.args[1], Node)):
-        return None
-    x, idx = node.args
-    if not isinstance(x, Node) or rank(x) != 2 or dtype(x) not in X_DTYPES or dtype(node) != dtype(x):
-        return None
-    if rank(idx) != 1 or dtype(idx) not in IDX_DTYPES:
-        return None
-    return x, idx
+from .patterns import grouped_gemm_offs, row_gather
 
 
 class MoERowGather(Rewrite):

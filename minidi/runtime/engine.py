@@ -25,6 +25,8 @@ from minidi.model.model import Transformer
 
 from .batch import StepItem, build_step
 from .cache import CacheFull, CacheManager, SeqCache
+from .compile import compile as minidi_compile
+from .compile import dynamic_shape_config  # noqa: F401 (re-exported: callers import it from here)
 
 
 @dataclass
@@ -76,6 +78,7 @@ class Engine:
         compile: bool = False,
         compile_kwargs: dict | None = None,
         passes: str | list[str] | None = "none",
+        faithful_rounding: bool = True,
     ) -> None:
         self.model, self.cfg = model, model.cfg
         self.device = model.embed.weight.device
@@ -84,10 +87,10 @@ class Engine:
                                   device=self.device)
         self.step_fn: Callable = model.step
         self.pass_manager = None
-        if compile:  # minidi.compile: torch.compile(fullgraph, dynamic) with the passes (minidi/passes) installed
-            from minidi.passes import compile as minidi_compile
-
-            kwargs = {"fullgraph": True, "dynamic": True, **(compile_kwargs or {})}
+        if compile:  # minidi.compile: torch.compile(fullgraph, dynamic) with the passes (minidi/passes) installed;
+            # faithful_rounding: compiled graphs round where eager does (runtime/compile.py), so tokens match eager
+            kwargs = {"fullgraph": True, "dynamic": True, "faithful_rounding": faithful_rounding,
+                      **(compile_kwargs or {})}
             self.step_fn = minidi_compile(model, passes, **kwargs)
             self.pass_manager = self.step_fn.pass_manager
         self.compiled = compile
@@ -229,21 +232,3 @@ class Engine:
         with torch.no_grad(), dynamic_shape_config():
             return self.step_fn(meta, self.cache.tensors)
 
-
-def dynamic_shape_config():
-    """Shapes of one step vary in many dims (tokens, entries, view rows, pending rows...). Two symbolic-shape
-    settings keep one compiled graph for all of them: no duck sizing (two dims that happen to be equal in the first
-    batch must not be assumed equal) and size-oblivious reasoning for sizes 0 and 1 (which Dynamo would otherwise
-    specialise, recompiling for every batch that has, say, one sequence or no pending rows). And Python floats stay
-    constants (``specialize_float``): with ``dynamic=True`` Dynamo would otherwise trace the model's float constants
-    (norm eps, the e2m1 grid) as symbolic inputs, then specialise them after the backend ran and trace the whole graph
-    a second time (on the H200 this compiled every layer kind twice)."""
-    import contextlib
-
-    import torch._dynamo.config as dynamo_config
-    import torch.fx.experimental._config as fx_config
-
-    stack = contextlib.ExitStack()
-    stack.enter_context(fx_config.patch(backed_size_oblivious=True, use_duck_shape=False))
-    stack.enter_context(dynamo_config.patch(specialize_float=True))
-    return stack

@@ -21,8 +21,9 @@ from torch._dynamo.utils import counters
 
 import minidi
 from minidi.model.context import ModelCache, StepMeta
-from minidi.passes import PassManager, PassMatchError, expected_sites
-from minidi.runtime.engine import Engine, Request, dynamic_shape_config
+from minidi.passes import PassManager, PassMatchError
+from minidi.runtime.compile import dynamic_shape_config, expected_sites
+from minidi.runtime.engine import Engine, Request
 
 KW = dict(max_batch_tokens=64, max_seqs=8, cache_tokens=2048, page_size=8)
 TOL = 1e-4  # fp32, fake-quant off: the ops differ from the naive code only in summation order

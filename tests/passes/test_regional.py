@@ -15,9 +15,8 @@ import torch._dynamo
 
 import minidi
 from minidi.model.context import ModelCache, StepMeta
-from minidi.passes import PassManager, PassMatchError, expected_sites
-from minidi.passes.manager import RegionalStep, layer_kind
-from minidi.runtime.engine import dynamic_shape_config
+from minidi.passes import PassManager, PassMatchError
+from minidi.runtime.compile import RegionalStep, dynamic_shape_config, expected_sites, layer_kind
 
 TOL = 1e-4  # fp32, fake-quant off: the ops differ from the naive code only in summation order
 FIRST, SECOND = 24, 17  # tokens of the two steps (the second one ragged)

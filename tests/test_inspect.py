@@ -1,16 +1,24 @@
 """``python -m minidi.inspect``: the table of passes (sites = expected from the config), the before/after graphs and
-the depyf dump (aot_eager, so no Inductor codegen: depyf 0.20 + torch >= 2.13 breaks only there)."""
+the depyf dump (aot_eager, so no Inductor codegen: depyf 0.20 + torch >= 2.13 breaks only there). The output is
+coherent: one traced graph whose counts are the table's (no warning of a first graph that missed a pass), and a
+``--no-depyf`` run says that depyf was skipped."""
 
 from __future__ import annotations
 
+import warnings
+from pathlib import Path
+
 import pytest
 
-from minidi.passes.inspect_cli import main
+from minidi.inspect import _depyf, main
 
 
 def test_inspect_cli(tmp_path, capsys):
     pytest.importorskip("depyf")
-    assert main(["--model", "tiny-v4", "--out", str(tmp_path), "--tokens", "8"]) == 0
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert main(["--model", "tiny-v4", "--out", str(tmp_path), "--tokens", "8"]) == 0
+    assert not [w for w in caught if "minidi passes" in str(w.message)]  # no graph with missed sites
     out = capsys.readouterr().out
     rows = {line.split()[0]: line.split() for line in out.splitlines() if line[:2] in ("A ", "B ", "C ", "D ", "E ", "F ", "G ", "H ", "I ")}
     assert {k: (int(r[2]), int(r[3])) for k, r in rows.items()} == {
@@ -21,4 +29,10 @@ def test_inspect_cli(tmp_path, capsys):
     after = (tmp_path / "graph_after_passes.py").read_text()
     assert "thd,tkd->thk" in before and "thd,tkd->thk" not in after and "sparse_attention" in after
     assert any((tmp_path / "depyf").glob("*.py"))
+    assert f"depyf dump: {tmp_path / 'depyf'}" in out
+    assert "graphs traced: 1" in out
     assert "step ran: yes" in out
+
+
+def test_no_depyf_says_skipped(tmp_path):
+    assert _depyf(Path(tmp_path), use=False)[1:] == (None, "skipped (--no-depyf)")

@@ -1,0 +1,373 @@
+"""``minidi.compile``: a model step under ``torch.compile`` with minidi's passes, whole or layer by layer.
+
+    step = minidi.compile(model, passes="all", strict=True, backend="inductor")   # the whole step as one graph
+    step = minidi.compile(model, "all", regional=True)    # each Block on its own; layers of one kind share a graph
+    logits = step(meta, cache)
+    step.pass_manager.counts                              # tiny V4.1: {"C": 10, "E": 10, "D": 30, "A": 10, ...}
+    step.uncompile()                                      # the model runs eagerly again
+
+What lives here and not in ``minidi/passes`` (which knows passes, not models): the backend that runs the passes and
+then the inner backend, the model's expected sites (``expected_sites``), per-layer compilation, and the settings a
+compiled step runs under:
+
+- **Shape settings** (``dynamic_shape_config``): one graph for every batch shape. Applied around every call of the
+  compiled step (Dynamo reads them when it traces, which is on a call that misses its cache), together with raised
+  recompile limits for per-layer compilation (one code object, ``Block``'s call, compiles one graph per layer kind).
+  Nothing is set globally: after a call ``torch._dynamo.config`` is what it was.
+- **Faithful rounding** (``faithful_rounding=True``, the default): Inductor keeps fused bf16 intermediates in fp32
+  where eager rounds every op's output to bf16; with fake quant that flips FP8 roundings and top-k picks, and a
+  compiled tiny model generated other greedy tokens than eager. ``torch._inductor.config.emulate_precision_casts``
+  makes Inductor round where eager does. It is patched around the inner backend's call, which is where Inductor
+  lowers and generates code for the graph (its FX graph cache keys on the setting). ``False`` patches it off.
+- **Progress**: logger ``minidi.compile`` at INFO (and ``progress(line)`` if given): a start and an end line for the
+  step's compile, and, per layer kind compiled by ``regional=True``, its layers, seconds and Inductor cache hits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections import Counter
+from typing import Any, Callable, Iterable, NamedTuple
+
+import torch
+from torch.fx import GraphModule
+
+from minidi.model.config import ModelConfig
+from minidi.passes import PassManager
+
+log = logging.getLogger("minidi.compile")
+
+GEMMS_PER_MOE = 3  # w1, w3, w2: pass D matches each expert GEMM
+HC_SITES_PER_LAYER = 2  # the attention and the FFN mHC site: passes F (mixer) and G (stream update) match each
+_RECOMPILE_LIMITS = ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit",
+                     "accumulated_cache_size_limit")
+
+
+def expected_sites(cfg: ModelConfig, regional: bool = False) -> dict[str, list[int | None]]:
+    """Layer of every site each pass must match in one model step, from the config.
+
+    A: every layer (window-only layers too); B: every index-source layer (V4.1: owners and re-index layers; V4:
+    the ratio-4 layers); C, E: every layer (one MoE each, hash-routed layers still compute the gate logits);
+    D: every layer, three times (w1, w3, w2); F: every layer twice (the attention and FFN mHC mixers), plus V4's
+    head (``hc_head``, outside the layers: site None) unless ``regional`` (only the layers are compiled then);
+    G: every layer twice (the stream update after attention and after the MoE); H and I: every layer (the MoE's
+    expert activation and its dispatch gather; in fp32 models only after D). Only the selected passes are checked."""
+    layers = list(range(cfg.n_layers))
+    head: list[int | None] = [] if (cfg.is_v41 or regional) else [None]
+    return {
+        "A": layers,
+        "B": [i for i in layers if cfg.is_index_source(i)],
+        "C": layers,
+        "D": [i for i in layers for _ in range(GEMMS_PER_MOE)],
+        "E": layers,
+        "F": [i for i in layers for _ in range(HC_SITES_PER_LAYER)] + head,
+        "G": [i for i in layers for _ in range(HC_SITES_PER_LAYER)],
+        "H": layers,
+        "I": layers,
+    }
+
+
+def dynamic_shape_config() -> contextlib.ExitStack:
+    """Shapes of one step vary in many dims (tokens, entries, view rows, pending rows...). Two symbolic-shape
+    settings keep one compiled graph for all of them: no duck sizing (two dims that happen to be equal in the first
+    batch must not be assumed equal) and size-oblivious reasoning for sizes 0 and 1 (which Dynamo would otherwise
+    specialise, recompiling for every batch that has, say, one sequence or no pending rows). And Python floats stay
+    constants (``specialize_float``): with ``dynamic=True`` Dynamo would otherwise trace the model's float constants
+    (norm eps, the e2m1 grid) as symbolic inputs, then specialise them after the backend ran and trace the whole graph
+    a second time (on the H200 this compiled every layer kind twice; the first trace's graph also misses passes that
+    need those constants as literals, e.g. H's clamp limit)."""
+    import torch._dynamo.config as dynamo_config
+    import torch.fx.experimental._config as fx_config
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(fx_config.patch(backed_size_oblivious=True, use_duck_shape=False))
+    stack.enter_context(dynamo_config.patch(specialize_float=True))
+    return stack
+
+
+def _call_settings(dynamic: bool | None, recompile_limit: int | None) -> contextlib.ExitStack:
+    """The Dynamo settings a compiled step's call runs under (Dynamo reads them when a call traces)."""
+    stack = contextlib.ExitStack()
+    if dynamic is not False:
+        stack.enter_context(dynamic_shape_config())
+    if recompile_limit is not None:
+        cfg = torch._dynamo.config
+        limits = {n: max(getattr(cfg, n), recompile_limit) for n in _RECOMPILE_LIMITS if hasattr(cfg, n)}
+        stack.enter_context(cfg.patch(**limits))
+    return stack
+
+
+def _rounding_config(faithful: bool) -> Any:
+    """Inductor's setting for rounding fused intermediates where eager rounds (absent in old torch: no-op)."""
+    import torch._inductor.config as inductor_config
+
+    if not hasattr(inductor_config, "emulate_precision_casts"):  # pragma: no cover (torch < 2.6)
+        return contextlib.nullcontext()
+    return inductor_config.patch(emulate_precision_casts=faithful)
+
+
+def _inductor_cache_counts() -> Counter:
+    from torch._dynamo.utils import counters
+
+    c = counters["inductor"]
+    return Counter({k: c[f"fxgraph_cache_{k}"] for k in ("hit", "miss", "bypass")})
+
+
+def make_backend(manager: PassManager, inner: str | Callable = "inductor", *, faithful_rounding: bool = True
+                 ) -> Callable:
+    """A ``torch.compile`` backend: run the passes on Dynamo's GraphModule, then the inner backend on the result,
+    with Inductor's ``emulate_precision_casts`` set to ``faithful_rounding`` while the inner backend compiles."""
+    from torch._dynamo.backends.registry import lookup_backend
+
+    inner_fn = lookup_backend(inner) if isinstance(inner, str) else inner
+
+    def minidi_backend(gm: GraphModule, example_inputs: list) -> Callable:
+        n, layer = len(manager.history), manager.current_layer
+        before = manager.layer_counts.get(layer)
+        manager.run(gm)
+        try:
+            with _rounding_config(faithful_rounding):
+                return inner_fn(gm, example_inputs)
+        except BaseException:  # e.g. a restart of the trace: this graph is discarded, so forget its counts
+            del manager.history[n:]
+            if layer is not None:
+                manager.layer_counts.pop(layer, None)
+                if before is not None:
+                    manager.layer_counts[layer] = before
+            raise
+
+    minidi_backend.pass_manager = manager  # type: ignore[attr-defined]
+    return minidi_backend
+
+
+class _Progress:
+    """Compile progress lines to the ``minidi.compile`` logger (INFO) and to an optional callback."""
+
+    def __init__(self, callback: Callable[[str], None] | None) -> None:
+        self.callback = callback
+
+    def __call__(self, line: str) -> None:
+        log.info("%s", line)
+        if self.callback is not None:
+            self.callback(line)
+
+
+def _cache_note(delta: Counter) -> str:
+    parts = [f"{v} {k}" for k, v in delta.items() if v > 0]
+    return f", Inductor FX graph cache: {', '.join(parts)}" if parts else ""
+
+
+class CompiledStep:
+    """A model step compiled as one graph (``minidi.compile(..., regional=False)``). ``pass_manager`` holds the
+    counts; calls run under the step's Dynamo settings; ``uncompile()`` makes later calls run the eager step."""
+
+    def __init__(self, fn: Callable, manager: PassManager, compiled: Callable, *, dynamic: bool | None,
+                 progress: _Progress, what: str) -> None:
+        self.fn, self.pass_manager, self._compiled = fn, manager, compiled
+        self.dynamic, self._progress, self._what = dynamic, progress, what
+        self.calls = 0
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        graphs, cache0, t0 = len(self.pass_manager.history), _inductor_cache_counts(), time.perf_counter()
+        if self.calls == 0:
+            self._progress(f"minidi.compile: compiling {self._what} as one graph ...")
+        self.calls += 1
+        with _call_settings(self.dynamic, None):
+            out = self._compiled(*args, **kwargs)
+        new = len(self.pass_manager.history) - graphs
+        if new or self.calls == 1:
+            verb = "compiled" if self.calls == 1 else "recompiled"
+            self._progress(f"minidi.compile: {verb} {self._what} in {time.perf_counter() - t0:.1f} s ({new} graph(s)"
+                           f"{_cache_note(_inductor_cache_counts() - cache0)})")
+        return out
+
+    def uncompile(self) -> None:
+        """Later calls run the eager step (Dynamo's cached graphs stay until ``torch._dynamo.reset()``)."""
+        self._compiled = self.fn
+
+
+class _LayerKind(NamedTuple):
+    """What makes two layers trace to the same graph (fallback until ``Block.kind()`` exists in the model)."""
+
+    ratio: int
+    kv_source: Any
+    index_source: Any
+    owns_index_keys: bool
+    candidate_filtered: bool
+    candidate_source: Any
+    v4_indexer: bool
+    engram: bool
+    hash_routed: bool
+
+
+def layer_kind(block: torch.nn.Module) -> Any:
+    """The block's kind: ``Block.kind()`` (the model names its layer kinds); until that lands, the same roles read
+    here (the forward reads nothing else that differs between layers)."""
+    if callable(getattr(block, "kind", None)):
+        return block.kind()
+    a = block.attn  # fallback: remove once Block.kind() is merged
+    return _LayerKind(a.ratio, a.kv_source, a.index_source, a.owns_index_keys, a.candidate_filtered,
+                      a.candidate_source, a.v4_indexer, block.has_engram, block.ffn.gate.hash)
+
+
+def _describe(kind: Any) -> str:
+    if hasattr(kind, "_asdict"):
+        return ", ".join(f"{k}={v}" for k, v in kind._asdict().items())
+    return str(kind)
+
+
+class RegionalStep:
+    """A model step whose layers are compiled one by one (``minidi.compile(..., regional=True)``).
+
+    Each ``Block`` is compiled on its own; layers of the same kind (``layer_kind``) share one compiled graph, so a
+    40-layer model compiles a handful of graphs instead of one 40-layer graph (minutes less on the GPU). Everything
+    between the layers (embedding, Engram hashing, head) runs eagerly. The step owns ``model.layer_hook`` (the model
+    calls it with the layer index before each layer) while compiled: it tells the pass manager which layer a graph
+    is compiled for and times each layer kind's compile. With ``strict``, every compiled graph is checked against
+    the sites of the layer it was compiled for; ``counts`` is then the model's total, summing each layer's graph (a
+    layer that ran a graph compiled for another layer of its kind counts that graph). ``uncompile()`` restores the
+    eager model (its blocks' calls and its layer hook)."""
+
+    def __init__(self, model: torch.nn.Module, manager: PassManager, backend: Callable, *, dynamic: bool | None,
+                 progress: _Progress, **compile_kwargs: Any) -> None:
+        if getattr(model, "layer_hook", None) is not None:
+            raise RuntimeError("the model already has a layer_hook (compiled regionally already? uncompile() first)")
+        self.model, self.pass_manager = model, manager
+        self.kinds = [layer_kind(b) for b in model.layers]
+        self.dynamic, self._progress = dynamic, progress
+        self.recompile_limit = 4 * len(model.layers)  # one code object (Block's call), one graph per layer kind
+        self.calls = 0
+        self._open: tuple[int, int, float, Counter] | None = None  # (layer, graphs before, t0, cache counts)
+        self._timed: set[Any] = set()
+        for block in model.layers:
+            block.compile(backend=backend, dynamic=dynamic, **compile_kwargs)
+        model.layer_hook = self._before_layer
+
+    def _before_layer(self, i: int) -> None:
+        self._close_layer()
+        self.pass_manager.current_layer = i
+        self._open = (i, len(self.pass_manager.history), time.perf_counter(), _inductor_cache_counts())
+
+    def _close_layer(self) -> None:
+        if self._open is None:
+            return
+        i, graphs, t0, cache0 = self._open
+        self._open = None
+        new = len(self.pass_manager.history) - graphs
+        if not new:
+            return
+        kind = self.kinds[i]
+        layers = [j for j, k in enumerate(self.kinds) if k == kind]
+        order = list(dict.fromkeys(self.kinds))
+        again = " again" if kind in self._timed else ""
+        self._timed.add(kind)
+        self._progress(f"minidi.compile: layer kind {order.index(kind) + 1}/{len(order)} ({_describe(kind)}) "
+                       f"compiled{again} for layer {i} in {time.perf_counter() - t0:.1f} s ({new} graph(s); serves "
+                       f"layers {layers}{_cache_note(_inductor_cache_counts() - cache0)})")
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        first, t0 = self.calls == 0, time.perf_counter()
+        graphs = len(self.pass_manager.history)
+        if first:
+            self._progress(f"minidi.compile: compiling {len(self.kinds)} layers ({len(set(self.kinds))} kinds) "
+                           "one by one ...")
+        self.calls += 1
+        try:
+            with _call_settings(self.dynamic, self.recompile_limit):
+                return self.model.step(*args, **kwargs)
+        finally:
+            self._close_layer()
+            self.pass_manager.current_layer = None
+            if first:
+                self._progress(f"minidi.compile: compiled {len(self.pass_manager.history) - graphs} graph(s) for "
+                               f"{len(set(self.kinds))} layer kinds in {time.perf_counter() - t0:.1f} s "
+                               "(first step, eager parts included)")
+
+    def uncompile(self) -> None:
+        """The model's eager calls back: every block's compiled call dropped, the layer hook removed. (Dynamo's
+        cached graphs stay until ``torch._dynamo.reset()``; the model is as it was before ``minidi.compile``.)"""
+        for block in self.model.layers:
+            block._compiled_call_impl = None  # what nn.Module.compile() set; torch has no public inverse
+        if getattr(self.model, "layer_hook", None) == self._before_layer:
+            self.model.layer_hook = None
+
+    @property
+    def counts(self) -> dict[str, int]:
+        """Matches summed over the model's layers (each layer counted with the graph of its kind)."""
+        by_kind = {self.kinds[i]: c for i, c in self.pass_manager.layer_counts.items()}
+        total: Counter = Counter({k: 0 for k in self.pass_manager.keys})
+        for i, kind in enumerate(self.kinds):
+            if kind not in by_kind:
+                raise RuntimeError(f"layer {i} ran no compiled graph of its kind {kind} (has the step run?)")
+            total.update(by_kind[kind])
+        return dict(total)
+
+    @property
+    def graphs(self) -> int:
+        return len(self.pass_manager.layer_counts)
+
+
+def uncompile(model_or_step: Any) -> None:
+    """Undo ``minidi.compile``: a compiled step's ``uncompile()``, or, given the model, drop a per-layer compile
+    of its blocks (and the layer hook a ``RegionalStep`` installed) without holding the step."""
+    if callable(getattr(model_or_step, "uncompile", None)) and not isinstance(model_or_step, torch.nn.Module):
+        model_or_step.uncompile()
+        return
+    hook = getattr(model_or_step, "layer_hook", None)
+    owner = getattr(hook, "__self__", None)
+    if isinstance(owner, RegionalStep):
+        owner.uncompile()
+    for block in getattr(model_or_step, "layers", ()):
+        block._compiled_call_impl = None  # a Block.compile() of anyone else's too
+
+
+def compile(  # noqa: A001 (minidi.compile mirrors torch.compile)
+    model_or_step: torch.nn.Module | Callable,
+    passes: str | Iterable[str] | None = "all",
+    *,
+    strict: bool = False,
+    backend: str | Callable = "inductor",
+    op_backend: str = "triton",
+    expected: dict[str, list[int]] | None = None,
+    keep_graphs: bool = False,
+    fullgraph: bool = True,
+    dynamic: bool | None = True,
+    regional: bool = False,
+    faithful_rounding: bool = True,
+    progress: Callable[[str], None] | None = None,
+    **compile_kwargs: Any,
+) -> CompiledStep | RegionalStep:
+    """Compile a model step (a minidi ``Transformer``: its ``step``; or any callable / module) with minidi's passes.
+
+    ``passes``: "all", "none", "A,B" or a list of keys / names. ``strict``: fail compilation when a pass matches a
+    different number of sites than ``expected`` (default: ``expected_sites(model.cfg)`` when the model has a
+    config; strict needs ``fullgraph=True``: one graph must hold the whole step). ``backend``: the inner backend
+    that compiles the rewritten graph ("inductor", "aot_eager", ...). ``op_backend``: "triton" (CUDA, or CPU under
+    ``TRITON_INTERPRET=1``) or "ref" for the ops the passes insert. ``regional``: compile each layer on its own
+    (``RegionalStep``). ``faithful_rounding``: Inductor rounds fused intermediates where eager rounds (default; see
+    the module docstring), ``False`` for its stock fused-fp32 rounding. ``progress``: called with each progress line
+    (they also go to the ``minidi.compile`` logger at INFO). The result has ``.pass_manager`` and ``.uncompile()``.
+    """
+    fn = model_or_step
+    owner = model_or_step
+    if isinstance(model_or_step, torch.nn.Module) and callable(getattr(model_or_step, "step", None)):
+        fn = model_or_step.step
+    else:
+        owner = getattr(model_or_step, "__self__", model_or_step)
+    cfg = getattr(owner, "cfg", None)
+    if expected is None and isinstance(cfg, ModelConfig):
+        expected = expected_sites(cfg, regional=regional)
+    manager = PassManager(passes, strict=strict, expected=expected, op_backend=op_backend, keep_graphs=keep_graphs)
+    inner = make_backend(manager, backend, faithful_rounding=faithful_rounding)
+    report = _Progress(progress)
+    if regional:
+        if not hasattr(owner, "layers") or not hasattr(owner, "step"):
+            raise TypeError("regional compilation needs a minidi Transformer (with .layers and .step)")
+        return RegionalStep(owner, manager, inner, dynamic=dynamic, progress=report, fullgraph=fullgraph,
+                            **compile_kwargs)
+    compiled = torch.compile(fn, backend=inner, fullgraph=fullgraph, dynamic=dynamic, **compile_kwargs)
+    name = getattr(cfg, "name", None) or type(owner).__name__
+    what = f"the {name} step" + (f" (passes {','.join(manager.keys)})" if manager.keys else "")
+    return CompiledStep(fn, manager, compiled, dynamic=dynamic, progress=report, what=what)
