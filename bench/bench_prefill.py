@@ -67,6 +67,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="one routed-expert set for all layers (auto: on for random full-size presets)")
     ap.add_argument("--engram_table_rows", type=int, default=None,
                     help="rows of the random Engram tables (default 2^24 for random full-size presets; 0 = real)")
+    ap.add_argument("--gate_bias", choices=("zero", "random"), default=None,
+                    help="random presets' router bias: zero (default: balanced expert loads) or random (the old 0.3 x "
+                         "randn: skewed loads, max/mean 16.6 at V4.1 EP4)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     ap.add_argument("--warmup", type=int, default=2)
@@ -155,8 +158,10 @@ def make_step(model, mode: str, args):
     """The callable of one mode, and its pass manager / regional step (for match counts)."""
     torch._dynamo.reset()
     minidi.uncompile(model)  # undo an earlier mode's per-layer compile
-    if mode == "eager":
+    if mode == "eager":  # bounded temporaries at full size (the model's default: the whole chains compile traces)
+        model.set_eager_budget()
         return model.step
+    model.set_eager_budget(None)
     passes = args.passes if mode == "passes" else "none"
     return minidi.compile(model, passes, strict=mode == "passes", backend=args.backend, fullgraph=True,
                           dynamic=True, regional=args.compile_scope == "layer",
@@ -229,8 +234,8 @@ def _what_ran(mode: str, wl, args, card: dict) -> dict:
         "model": cfg.name, "arch": cfg.arch, "mode": mode, "passes": args.passes if mode == "passes" else "none",
         "ep": cfg.ep_size, "new_tokens": wl.new_tokens, "cached_tokens": wl.cached_tokens, "seqs": wl.seqs,
         "steps": args.steps,
-        **{k: card[k] for k in ("device", "dtype", "torch", "peaks", "shared_experts", "engram_table_rows", "ptxas",
-                                  "fp4_swap_tiles")},
+        **{k: card[k] for k in ("device", "dtype", "torch", "peaks", "shared_experts", "engram_table_rows", "gate_bias",
+                                  "ptxas", "fp4_swap_tiles")},
     }
 
 
@@ -291,13 +296,14 @@ def _run(args: argparse.Namespace, world: int, rank: int, modes: list[str], out_
     notes: list[str] = []
     t0 = time.perf_counter()
     model = build_model(args.model, args.device, args.dtype, args.emulate_ep, args.share_experts,
-                        args.engram_table_rows, args.seed, notes, world=world, rank=rank)
+                        args.engram_table_rows, args.seed, notes, world=world, rank=rank, gate_bias=args.gate_bias)
     wl = build_workload(model, args.prefill_batch_size, args.cached_tokens, args.seqs, args.seed, notes)
     cfg = model.cfg
     card = {
         "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else (platform.processor() or "cpu"),
         "dtype": cfg.dtype, "torch": torch.__version__, "peaks": measure_peaks(args.device, cfg.torch_dtype),
-        "shared_experts": any("shared by all" in n for n in notes), "engram_table_rows": cfg.engram_table_rows,
+        "shared_experts": any("shared by all" in n for n in notes), "engram_table_rows": model.engram_rows or 0,
+        "gate_bias": (args.gate_bias or "zero") if args.model in FULL_SIZE else "checkpoint",
         "ptxas": ".".join(map(str, ptxas_version() or ())) or None, "fp4_swap_tiles": swap_tiles_enabled(),
     }
     mem = f", {torch.cuda.memory_allocated() / 2**30:.1f} GiB allocated" if args.device.startswith("cuda") else ""

@@ -12,6 +12,9 @@ rank holds:
                 (BM 256 at EP4-like loads, 64 at EP1-like: ``fp4_grouped_gemm_configs``)
 
 The step runs eagerly (whatever mode ran before), outside the timed steps; hooks on each gate read its expert ids.
+The report also gives the router bias the loads came from (``gate_bias_abs_mean``, over the score-routed layers):
+random full-size presets default to zero bias, balanced loads (V4.1 EP4: max/mean 1.4, cv 0.15); the old workload's
+0.3·N bias (max/mean 16.6, cv 2.4) is ``bench_prefill.py --gate_bias random --expert_loads``.
 """
 
 from __future__ import annotations
@@ -71,7 +74,9 @@ def expert_loads(model, run_step, emulated_ep: int) -> dict:
     keys = ("max_over_mean", "cv") + tuple(f"tile_fill_bm{bm}" for bm in TILE_ROWS)
     summary = {k: round(statistics.median(v[k] for v in layers.values() if v[k] is not None), 3) for k in keys
                if any(v[k] is not None for v in layers.values())}
+    biases = [b.ffn.gate.bias.float().abs().mean().item() for b in model.layers if not b.ffn.gate.hash]
     return {"model": cfg.name, "ep": cfg.ep_size, "emulated_ep": emulated_ep, "local_experts": n_local,
+            "gate_bias_abs_mean": round(statistics.fmean(biases), 4) if biases else None,
             "first_local_expert": first, "tokens": "this rank's (x N when emulated)", "median_over_layers": summary,
             "layers": layers}
 
@@ -81,4 +86,5 @@ def write_report(report: dict, path: Path) -> str:
     path.write_text(json.dumps(report))
     m = report["median_over_layers"]
     return ("expert loads (median over layers, local experts): "
-            + ", ".join(f"{k} {v}" for k, v in m.items()) + f" -> {path.name}")
+            + ", ".join(f"{k} {v}" for k, v in m.items()) + f" | router bias |b| mean {report['gate_bias_abs_mean']}"
+            + f" -> {path.name}")

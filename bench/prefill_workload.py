@@ -3,8 +3,10 @@
 - Model: a checkpoint folder (real layout) or a preset. Full-size presets get random weights in the checkpoint
   formats; ``share_experts`` gives every layer the same routed-expert tensors (FLOPs and bytes moved per layer are
   unchanged; 7.2 GB of V4.1 experts per layer do not fit the 60 MB L2 either way, so nothing is served from cache that
-  would not be), ``engram_table_rows`` holds a smaller random Engram table (ids taken modulo its rows; each token
-  still gathers 24 rows of 256 B), and ``emulate_ep`` N builds one rank of EP N (``minidi.model.expert_parallel``).
+  would not be), ``engram_rows`` holds a smaller random Engram table (``Transformer(cfg, engram_rows=...)``: ids
+  taken modulo its rows; each token still gathers 24 rows of 256 B), ``gate_bias`` chooses the random router bias
+  (zero: balanced routing, the default; random: the old 0.3·N, expert loads max/mean 16.6 at V4.1 EP4), and
+  ``emulate_ep`` N builds one rank of EP N (``minidi.runtime.expert_parallel``).
 - Cache: one sequence whose first ``cached`` positions are in the cache, filled with random rows (window ring,
   compressed KV, indexer keys, pending compressor rows) instead of a real prefill of the prefix; then ``new`` new
   tokens in one step. Every timed step re-runs that same step: its cache writes land in rows after the prefix (and
@@ -20,11 +22,11 @@ import torch
 
 import minidi
 from minidi.model.context import StepMeta
-from minidi.model.expert_parallel import EmulatedEP
 from minidi.model.model import Transformer
 from minidi.model.presets import PRESETS
 from minidi.runtime.batch import StepItem, build_step
 from minidi.runtime.cache import CacheManager, SeqCache
+from minidi.runtime.expert_parallel import EmulatedEP
 
 FULL_SIZE = ("v41-flash", "v4-flash")
 SYNTHETIC_ENGRAM_ROWS = 1 << 24  # default table of the random full-size presets: 16.8M rows (4.3 GB) instead of 384M
@@ -46,7 +48,8 @@ def is_synthetic(model: str) -> bool:
 
 
 def build_model(name: str, device: str, dtype: str, emulate_ep: int, share_experts: str, engram_rows: int | None,
-                seed: int, notes: list[str], world: int = 1, rank: int = 0) -> Transformer:
+                seed: int, notes: list[str], world: int = 1, rank: int = 0, gate_bias: str | None = None
+                ) -> Transformer:
     """``world`` > 1: this process is rank ``rank`` of a torchrun job (process group initialised): it holds
     1/world of the experts and exchanges tokens with the other ranks (``DistributedEP``)."""
     overrides: dict = {"dtype": dtype}  # (bench_prefill.main refuses --emulate-ep with real ranks)
@@ -57,18 +60,25 @@ def build_model(name: str, device: str, dtype: str, emulate_ep: int, share_exper
     synthetic = is_synthetic(name)
     if engram_rows is None:  # the random full-size V4.1 tables would be 98 GB each
         engram_rows = SYNTHETIC_ENGRAM_ROWS if synthetic and minidi.preset(name).engram_layers else 0
-    if engram_rows:
-        overrides["engram_table_rows"] = engram_rows
     share = synthetic if share_experts == "auto" else share_experts == "on"
     if share and not synthetic:
         raise SystemExit(f"--share_experts on needs a random-weight preset ({', '.join(FULL_SIZE)}), not {name!r}")
+    if not synthetic and (gate_bias is not None or engram_rows):
+        raise SystemExit(f"--gate_bias / --engram_table_rows choose random weights ({', '.join(FULL_SIZE)}); "
+                         f"{name!r} loads its checkpoint's")
+    if synthetic:
+        overrides.update(gate_bias=gate_bias or "zero", engram_rows=engram_rows or None)
     model = minidi.load_model(name, device=device, seed=seed, share_experts=share, **overrides)
     cfg = model.cfg
+    if synthetic:
+        notes.append(f"router: random gate bias {gate_bias or 'zero'}" + (
+            " (0.3·N: skewed expert loads, the workload before issue 17)" if gate_bias == "random" else
+            " (balanced routing, as a trained router's loss-free balancing; --gate_bias random: the old 0.3·N)"))
     if share:
         notes.append(f"weights: one routed-expert set ({cfg.n_local_experts} experts) shared by all {cfg.n_layers} "
                      f"layers; FLOPs and bytes moved per layer unchanged (the experts never fit L2 either way)")
-    if cfg.engram_layers and cfg.engram_table_rows:
-        notes.append(f"Engram: random tables of {cfg.engram_rows(cfg.engram_layers[0]):,} rows (real: "
+    if cfg.engram_layers and model.engram_rows:
+        notes.append(f"Engram: random tables of {model.layers[cfg.engram_layers[0]].engram.rows:,} rows (real: "
                      f"{max(cfg.engram_num_embeddings):,}); hash ids taken modulo; the same 24 rows/token gathered")
     if emulate_ep > 1:
         exchange = EmulatedEP(emulate_ep)
@@ -115,8 +125,9 @@ def build_workload(model: Transformer, new: int, cached: int, seqs: int, seed: i
     for _ in range(seqs):
         seq = random_prefix(cm, cached) if cached else SeqCache()
         cm.grow(seq, total)
-        tokens = torch.randint(0, cfg.vocab_size, (new + 3,), generator=gen).tolist()
-        items.append(StepItem(seq, tokens[3:], tokens[:3] if cached else []))
+        h = cfg.engram_max_ngram - 1  # the Engram history: the K - 1 tokens before the step
+        tokens = torch.randint(0, cfg.vocab_size, (new + h,), generator=gen).tolist()
+        items.append(StepItem(seq, tokens[h:], tokens[:h] if cached else []))
     if cached:
         notes.append(f"cache: {cached:,} cached positions per sequence filled with random rows (no prefill of the "
                      f"prefix); each timed step re-runs the same {new:,}-token step on it")

@@ -13,7 +13,7 @@ name = sys.argv[1] if len(sys.argv) > 1 else "tiny-v41"
 ep = int(sys.argv[2]) if len(sys.argv) > 2 else 1
 model = minidi.load_model(name, device=dev, ep_size=ep)
 if ep > 1:
-    from minidi.model.expert_parallel import EmulatedEP
+    from minidi.runtime.expert_parallel import EmulatedEP
     model.set_expert_exchange(EmulatedEP(ep))
 step = minidi.compile(model, "all", backend=lambda gm, inputs: gm.forward, strict=False, regional=True)
 cfg = model.cfg

@@ -23,7 +23,11 @@ from .sparse_attention import sparse_attention_naive
 class Attention(nn.Module):
     """``rope``: the cos/sin table of this layer's inv_freq variant (compressed layers: YaRN base), shared with the
     other layers of that variant (the Transformer hands the same ``RopeTable`` to each); a layer built alone builds
-    its own."""
+    its own.
+
+    ``eager_budget`` (bytes, default None): the memory budget of an eager run for the naive indexer's score product
+    (``indexer_topk_naive``); None keeps the whole chain, the graph torch.compile must see. Set by
+    ``Transformer.set_eager_budget``."""
 
     def __init__(self, cfg: ModelConfig, layer_id: int, rope: RopeTable | None = None) -> None:
         super().__init__()
@@ -52,6 +56,7 @@ class Attention(nn.Module):
         elif not cfg.is_v41 and cfg.is_index_source(layer_id):
             self.indexer = IndexerV4(cfg)
         self.rope = rope if rope is not None else RopeTable(cfg, compressed=self.ratio > 0)
+        self.eager_budget: int | None = None
         if self.rope.compressed != (self.ratio > 0):
             raise ValueError(f"layer {layer_id} (ratio {self.ratio}) given the RoPE table of the other variant")
 
@@ -118,7 +123,8 @@ class Attention(nn.Module):
             stages.enter("indexer", q_lat)
             qi, wi = self.indexer.queries(x, q_lat, cos, sin)
             allowed = shared.candidates if self.candidate_filtered else None
-            idx, scores = indexer_topk_naive(qi, shared.index_k, wi, rm.k_start, rm.k_end, cfg.index_topk, allowed)
+            idx, scores = indexer_topk_naive(qi, shared.index_k, wi, rm.k_start, rm.k_end, cfg.index_topk, allowed,
+                                             self.eager_budget)
             if self.candidate_source:
                 shared.candidates = candidate_mask(scores, rm.k_start, rm.k_end, cfg.candidate_topk_blocks,
                                                    cfg.candidate_block_size)
@@ -136,7 +142,8 @@ class Attention(nn.Module):
             keys = self.indexer.keys(x, rm, cache.pending_index, ccos, csin)  # same entries: ratio 4, same rm
             keys = compressed_view(cache.index_k, keys, rm)
             qi, wi = self.indexer.queries(x, q_lat, cos, sin)
-            idx, _ = indexer_topk_naive(qi, keys, wi, rm.k_start, rm.k_end, cfg.index_topk)
+            idx, _ = indexer_topk_naive(qi, keys, wi, rm.k_start, rm.k_end, cfg.index_topk,
+                                        budget=self.eager_budget)
             stages.exit("indexer", idx)
         else:  # heavily compressed: attend densely to every visible entry of the query's sequence
             j = torch.arange(view.shape[0], device=x.device).unsqueeze(0)

@@ -86,9 +86,6 @@ class ModelConfig:
     # expert parallelism: this rank holds experts [ep_rank * E / ep_size, (ep_rank + 1) * E / ep_size)
     ep_size: int = 1
     ep_rank: int = 0
-    # benchmarks with random weights only: hold this many rows per Engram table and take the hash ids modulo it
-    # (0 = the real tables, sum of each layer's primes: 98 GB each at full size)
-    engram_table_rows: int = 0
     name: str = field(default="custom", compare=False)
 
     def __post_init__(self) -> None:
@@ -135,9 +132,9 @@ class ModelConfig:
         return self.ep_rank * self.n_local_experts
 
     def engram_rows(self, layer: int) -> int:
-        """Rows of the Engram table of ``layer`` as held in memory (``engram_table_rows`` caps it)."""
-        rows = self.engram_num_embeddings[self.engram_layers.index(layer)]
-        return min(rows, self.engram_table_rows) if self.engram_table_rows else rows
+        """Rows of the Engram table of ``layer`` (the sum of its primes; a model may hold fewer:
+        ``Transformer(cfg, engram_rows=...)``)."""
+        return self.engram_num_embeddings[self.engram_layers.index(layer)]
 
     def is_kv_source(self, layer: int) -> bool:
         """Layer runs its own attention compressor (V4: every compressed layer)."""
@@ -198,8 +195,6 @@ class ModelConfig:
             p.append(f"ep_size {self.ep_size} must be >= 1 and divide n_routed_experts {self.n_routed_experts}")
         elif not 0 <= self.ep_rank < self.ep_size:
             p.append(f"ep_rank {self.ep_rank} must be in [0, ep_size {self.ep_size})")
-        if self.engram_table_rows < 0:
-            p.append(f"engram_table_rows must be >= 0 (0 = the real table), got {self.engram_table_rows}")
         wb = self.weight_block if self.is_v41 else self.act_block
         for nm, v in (("dim", self.dim), ("q_lora_rank", self.q_lora_rank),
                       ("o_groups*o_lora_rank", self.o_groups * self.o_lora_rank), ("moe_inter_dim", self.moe_inter_dim)):

@@ -30,9 +30,12 @@ class EngramEmbedding(nn.Module):
 
 
 class Engram(nn.Module):
+    """``rows``: rows of the embedding table held (the config's ``engram_num_embeddings`` entry, or fewer: the
+    caller then takes the hash ids modulo ``rows``, ``Transformer.engram_ids``)."""
+
     def __init__(self, cfg: ModelConfig, rows: int) -> None:
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.rows = cfg, rows
         n_rows = (cfg.engram_max_ngram - 1) * cfg.engram_n_heads
         self.embed = EngramEmbedding(rows, cfg.engram_head_dim)
         self.wkv = FP8Linear(n_rows * cfg.engram_head_dim, (cfg.hc_mult + 1) * cfg.dim, cfg)

@@ -1,4 +1,4 @@
-"""How the MoE of one rank meets the other ranks' tokens (expert parallelism).
+"""How the MoE of one rank meets the other ranks' tokens (expert parallelism): the exchange's contract.
 
 Each rank holds the experts [first, first + E/N) (``ModelConfig.ep_size`` / ``ep_rank``); attention is data
 parallel, so every rank routes its own T tokens. An *exchange* brings the tokens of all ranks to the experts and the
@@ -8,19 +8,36 @@ partial results back:
     partial    = experts(xs, idx, w)            # [N*T, D]: sums over the experts held here only
     y          = exchange.combine(partial)      # [T, D]: this rank's tokens, summed over all ranks' experts
 
-``LocalExperts`` (one device, N = 1) is the identity. ``EmulatedEP`` reproduces one rank's work at EP N on one GPU
-for benchmarks: the other ranks' tokens are synthesised (this rank's tokens rotated, with their routing), the rank
-holds 1/N of the experts, and the combine keeps its own rows: the expert GEMMs, the local-row combine and the
-per-rank expert weights are those of a real EP N rank; communication is not modelled (and the output of the MoE lacks
-the other ranks' experts, so the model's numbers are not the model's). The distributed exchange (NCCL / gloo) moves
-real tokens.
+``LocalExperts`` (one device, N = 1) is the identity and the model's default. The parallel exchanges live with the
+runtime: ``minidi.runtime.distributed.DistributedEP`` moves real tokens between ranks (NCCL / gloo), and
+``minidi.runtime.expert_parallel.EmulatedEP`` reproduces one rank's work at EP N on one GPU for benchmarks.
 """
 
 from __future__ import annotations
 
+from typing import Protocol, runtime_checkable
+
 import torch
 
-from . import stages
+
+@runtime_checkable
+class ExpertExchange(Protocol):
+    """What ``MoE`` calls (``Transformer.set_expert_exchange`` installs one on every MoE layer)."""
+
+    size: int  # N, the ranks of the expert parallelism; must equal the model's ``ep_size``
+
+    def dispatch(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, D], idx [T, k] int64 global expert ids, w [T, k] -> every rank's tokens and routing, [N*T, ...]."""
+        ...
+
+    def combine(self, partial: torch.Tensor) -> torch.Tensor:
+        """partial [N*T, D] (sums over this rank's experts) -> [T, D] this rank's tokens, over all experts."""
+        ...
+
+    def describe(self) -> str:
+        """One line for the benchmark's card."""
+        ...
 
 
 class LocalExperts:
@@ -28,7 +45,8 @@ class LocalExperts:
 
     size = 1
 
-    def dispatch(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor):
+    def dispatch(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return x, idx, w
 
     def combine(self, partial: torch.Tensor) -> torch.Tensor:
@@ -36,33 +54,3 @@ class LocalExperts:
 
     def describe(self) -> str:
         return "all experts local"
-
-
-class EmulatedEP:
-    """One rank of EP ``size`` on one device: the MoE sees ``size`` x the tokens and holds 1/size of the experts."""
-
-    def __init__(self, size: int) -> None:
-        if size < 2:
-            raise ValueError(f"EmulatedEP needs size >= 2, got {size} (use LocalExperts for one rank)")
-        self.size = size
-
-    def dispatch(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor):
-        """Rank r's tokens are this rank's rotated by r*T/size rows (their routing rotates with them), so the
-        synthesised ranks route like real ones: the expert loads follow this rank's routing distribution."""
-        stages.enter("moe.comm", x)
-        t = x.shape[0]
-        shifts = [r * t // self.size for r in range(self.size)]
-        xs = torch.cat([x.roll(s, 0) for s in shifts])
-        idx_all = torch.cat([idx.roll(s, 0) for s in shifts])
-        w_all = torch.cat([w.roll(s, 0) for s in shifts])
-        stages.exit("moe.comm", xs)
-        return xs, idx_all, w_all
-
-    def combine(self, partial: torch.Tensor) -> torch.Tensor:
-        """Keep this rank's own rows (a real combine would reduce-scatter the ``size`` partial sums)."""
-        t = partial.shape[0] // self.size
-        return partial[:t]
-
-    def describe(self) -> str:
-        return (f"emulated EP{self.size}: MoE sees {self.size}x this rank's tokens (the others synthesised), holds "
-                f"1/{self.size} of the experts; communication not modelled")

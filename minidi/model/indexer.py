@@ -16,13 +16,6 @@ from .layers import FP8Linear, Linear, RMSNorm, apply_rope
 from .quant import fq4_ue8m0, hadamard
 
 
-EAGER_SCORE_BYTES = 1 << 30
-"""Eager (not compiled) runs build the naive indexer's [T, Hi, N] head scores in query chunks of at most this many
-bytes: at the benchmark's 4,096 queries x 32 heads x 131,072 entries the whole product is 32 GiB in bf16 and the
-relu / weight temporaries triple it. Under ``torch.compile`` the chain stays whole (pass B's target; Inductor fuses
-the relu / weight / sum into one reduction over the product)."""
-
-
 def _score_row_bytes(q: torch.Tensor, k: torch.Tensor) -> int:
     return q.shape[1] * k.shape[0] * q.element_size()
 
@@ -41,6 +34,7 @@ def indexer_topk_naive(
     k_end: torch.Tensor,
     topk: int,
     allowed: torch.Tensor | None = None,
+    budget: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """**Pass target B** (indexer score + top-k).
 
@@ -49,11 +43,17 @@ def indexer_topk_naive(
     [k_start, k_start + its entry count)), w [T, Hi], k_start/k_end [T] int, allowed [T, N] bool or None.
     The score runs in the activation dtype, as the official indexer (bf16 einsum, relu*weights and head sum).
     Returns (idx [T, min(topk, N)] int64, -1 for picks outside the visible range, scores [T, N]).
+
+    ``budget`` None: the whole chain (the form torch.compile traces: pass B's target; Inductor fuses the relu /
+    weight / sum into one reduction over the product). Bytes: the same math with the [T, Hi, N] product built a
+    few query rows at a time under ``budget`` (an eager run's memory budget, ``Transformer.set_eager_budget``: at
+    4,096 queries x 32 heads x 131,072 entries the whole product is 32 GiB in bf16, and the relu / weight
+    temporaries triple it).
     """
-    if torch.compiler.is_compiling() or q.shape[0] * _score_row_bytes(q, k) <= EAGER_SCORE_BYTES:
+    if budget is None or q.shape[0] * _score_row_bytes(q, k) <= budget:
         scores = _head_weighted_scores(q, k, w)  # [T, N] (a [T, Hi, N] product inside)
-    else:  # eager at long contexts: same math, the [T, Hi, N] product built a few query rows at a time
-        rows = max(1, EAGER_SCORE_BYTES // _score_row_bytes(q, k))
+    else:
+        rows = max(1, budget // _score_row_bytes(q, k))
         scores = torch.cat([_head_weighted_scores(qc, k, wc) for qc, wc in zip(q.split(rows), w.split(rows))])
     j = torch.arange(k.shape[0], device=q.device).unsqueeze(0)
     lo, hi = k_start.unsqueeze(1), k_end.unsqueeze(1)

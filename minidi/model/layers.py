@@ -151,14 +151,10 @@ def rope_cos_sin_lookup(positions: torch.Tensor, table: torch.Tensor) -> tuple[t
     """positions [T] (int, in [0, P)) -> cos, sin fp32 [T, r/2]: rows of a ``rope_table`` [P, r/2, 2].
 
     Compiled kernels then only load cos/sin (a gather fused into the consumer) instead of evaluating them per
-    element of the rotated tensor. Positions are checked eagerly on the CPU only: on a device the check would be a
-    host sync per call, and under compile an out-of-range index is a device assert; the entry points reject lengths
-    past max_position_embeddings before the step (``Transformer.forward``, ``Engine._check``)."""
-    if positions.device.type == "cpu" and positions.numel() and not torch.compiler.is_compiling():
-        lo, hi = int(positions.min()), int(positions.max())
-        if lo < 0 or hi >= table.shape[0]:
-            raise IndexError(f"RoPE position {lo if lo < 0 else hi} outside the table [0, {table.shape[0]}) "
-                             f"(max_position_embeddings)")
+    element of the rotated tensor. The positions are not checked here (a check would be a host sync per call, or a
+    graph break under compile): they are made on the host before the step, where lengths past
+    max_position_embeddings are rejected (``Transformer.forward``; ``runtime.batch.build_step`` for the engine and the
+    benchmark). On the CPU an index past the table still raises torch's IndexError."""
     cs = table[positions]  # [T, r/2, 2]
     return cs[..., 0], cs[..., 1]
 

@@ -16,13 +16,21 @@ from . import stages
 from .context import LayerCache, ModelCache, SharedSlots, StepMeta
 from .engram import Engram
 from .engram_hash import EngramTables, engram_hash_ids_packed, engram_tables, test_token_map
+from .expert_parallel import ExpertExchange
 from .hyper_connections import hc_collapse, hc_expand, hc_head, hc_mixer
 from .layers import RMSNorm, RopeTable, weight_param
 from .moe import MoE
 
 
+EAGER_BUDGET_BYTES = 1 << 30
+"""The default memory budget of ``Transformer.set_eager_budget``: 1 GiB of temporaries per budgeted chain."""
+
+
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, rope: RopeTable | None = None) -> None:
+    """One layer. ``engram_rows``: rows its Engram table holds (default: the config's ``engram_num_embeddings``)."""
+
+    def __init__(self, cfg: ModelConfig, layer_id: int, rope: RopeTable | None = None,
+                 engram_rows: int | None = None) -> None:
         super().__init__()
         self.cfg, self.layer_id = cfg, layer_id
         mix = (2 + cfg.hc_mult) * cfg.hc_mult
@@ -36,7 +44,17 @@ class Block(nn.Module):
         self.ffn = MoE(cfg, layer_id)
         self.has_engram = layer_id in cfg.engram_layers
         if self.has_engram:
-            self.engram = Engram(cfg, cfg.engram_rows(layer_id))
+            real = cfg.engram_rows(layer_id)
+            self.engram = Engram(cfg, real if engram_rows is None else min(real, engram_rows))
+
+    def kind(self) -> tuple:
+        """What makes two layers trace to the same graph: their roles (attention ratio, kv / index source, index-key
+        owner, candidate filter / source, V4 indexer, Engram, hash routing); ``forward`` reads nothing else that
+        differs between layers (it never reads ``layer_id``: see ``LayerCache``). A per-layer compile reuses one
+        graph for every layer of a kind."""
+        a = self.attn
+        return (a.ratio, a.kv_source, a.index_source, a.owns_index_keys, a.candidate_filtered, a.candidate_source,
+                a.v4_indexer, self.has_engram, self.ffn.gate.hash)
 
     def _mix(self, site: str, x: torch.Tensor):
         c = self.cfg
@@ -80,18 +98,25 @@ def _rope_key(compressed: bool) -> str:
 
 
 class Transformer(nn.Module):
-    """``model(input_ids [S])`` -> fp32 logits [S, V] for one sequence starting at position 0."""
+    """``model(input_ids [S])`` -> fp32 logits [S, V] for one sequence starting at position 0.
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    ``engram_rows`` (default None: the real tables): hold at most this many rows per Engram table and take each
+    hash id modulo the table's rows (a smaller random table for benchmarks: the full-size tables are ~100 GB each;
+    every token still gathers the same number of rows). A construction-time choice, not a config field."""
+
+    def __init__(self, cfg: ModelConfig, engram_rows: int | None = None) -> None:
         super().__init__()
+        if engram_rows is not None and engram_rows < 1:
+            raise ValueError(f"engram_rows must be >= 1 (None = the real tables), got {engram_rows}")
         self.cfg = cfg
+        self.engram_rows = engram_rows
         self.embed = nn.Module()
         self.embed.weight = weight_param(cfg.vocab_size, cfg.dim, dtype=torch.bfloat16)
         # RoPE cos/sin tables, one per inv_freq variant in use, each shared by all layers of its variant (not per
         # layer: 256 MB each at 1M positions); non-persistent, so not in the checkpoint
         self.rope = nn.ModuleDict({_rope_key(c): RopeTable(cfg, c)
                                    for c in sorted({cfg.ratio(i) > 0 for i in range(cfg.n_layers)})})
-        self.layers = nn.ModuleList(Block(cfg, i, self.rope[_rope_key(cfg.ratio(i) > 0)])
+        self.layers = nn.ModuleList(Block(cfg, i, self.rope[_rope_key(cfg.ratio(i) > 0)], engram_rows)
                                     for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.head = nn.Module()
@@ -144,12 +169,13 @@ class Transformer(nn.Module):
         for layer in cfg.engram_layers:
             t = EngramTables(*(getattr(self, f"engram_{n}_{layer}") for n in EngramTables._fields))
             ids = engram_hash_ids_packed(comp, meta.engram_src, t, pad)
-            if cfg.engram_table_rows:  # benchmark-only smaller random table (config.engram_table_rows)
-                ids = ids % cfg.engram_rows(layer)
+            rows = self.layers[layer].engram.rows
+            if rows < cfg.engram_rows(layer):  # a smaller table (``engram_rows``): ids taken modulo its rows
+                ids = ids % rows
             out[layer] = ids
         return out
 
-    def set_expert_exchange(self, exchange) -> None:
+    def set_expert_exchange(self, exchange: ExpertExchange) -> None:
         """Install how every MoE meets the other ranks' tokens (``expert_parallel``); its size must be the config's
         ``ep_size`` (the experts this model holds)."""
         if exchange.size != self.cfg.ep_size:
@@ -157,6 +183,21 @@ class Transformer(nn.Module):
                              f"{self.cfg.ep_size}: build the model with ep_size={exchange.size}")
         for layer in self.layers:
             layer.ffn.exchange = exchange
+
+    def set_eager_budget(self, nbytes: int | None = EAGER_BUDGET_BYTES) -> None:
+        """Bound the temporaries of the chains that are huge at long contexts when the model runs eagerly: the naive
+        indexer's [T, Hi, N] score product, the FP4 expert-stack decode, the fp32 grouped GEMM's [R, E, N] einsum.
+        With a budget they are built in pieces under ``nbytes`` each (same values; the fp32 grouped GEMM becomes a
+        loop over experts, one host sync). ``None`` (a built model's state) keeps the whole chains: the form
+        ``torch.compile`` must trace (passes B and D match it; Inductor fuses it, so it builds none of those
+        temporaries). The model never asks whether it is being compiled: runtime code that runs it eagerly at long
+        contexts sets a budget (the benchmark's eager mode and expert-loads step; a full-size fp32 reference), and
+        code that compiles it leaves (or sets) None."""
+        if nbytes is not None and nbytes < 0:
+            raise ValueError(f"eager budget must be >= 0 bytes or None, got {nbytes}")
+        for module in self.modules():
+            if hasattr(module, "eager_budget"):
+                module.eager_budget = nbytes
 
     @property
     def ratios(self) -> tuple[int, ...]:

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
-from .expert_parallel import EmulatedEP, LocalExperts
+from .expert_parallel import ExpertExchange, LocalExperts
 from .layers import FP8Linear, e8m0_bytes, scale_param, weight_param
 from .quant import dequant_fp4, fq8
 
@@ -69,31 +69,46 @@ class SharedExpert(nn.Module):
         return self.w2(swiglu_clipped(self.w1(x), self.w3(x), self.limit).to(x.dtype))
 
 
-EAGER_DEQUANT_BYTES = 1 << 30
-"""Eager (not compiled) runs dequantise the expert stack a few experts at a time so that the int64 codes and fp32
-values of the naive decode stay under this many bytes: at EP1 (384 experts of 2,304 x 5,120) one whole decode holds
-36 GB of int64 codes. Under ``torch.compile`` the decode stays whole (pass D's target; Inductor fuses it)."""
+def _dequant_bytes_per_expert(packed: torch.Tensor) -> int:
+    return math.prod(packed.shape[1:]) * 2 * 12  # decoded values per expert x (8 B int64 code + 4 B fp32)
 
 
-def dequant_expert_stack(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """**Pass target D** (FP4 expert dequant): packed e2m1 [E, out, in/2] + E8M0 [E, out, in/32] -> [E, out, in]."""
-    if torch.compiler.is_compiling():
+def dequant_expert_stack(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
+                         budget: int | None = None) -> torch.Tensor:
+    """**Pass target D** (FP4 expert dequant): packed e2m1 [E, out, in/2] + E8M0 [E, out, in/32] -> [E, out, in].
+
+    ``budget`` None: one whole decode (the form torch.compile traces: pass D's target; Inductor fuses it). Bytes:
+    the same values decoded a few experts at a time so the int64 codes and fp32 values of the naive decode stay
+    under ``budget`` (an eager run's memory budget, ``Transformer.set_eager_budget``: at EP1, 384 experts of
+    2,304 x 5,120, one whole decode holds 36 GB of int64 codes)."""
+    if budget is None or packed.shape[0] * _dequant_bytes_per_expert(packed) <= budget:
         return dequant_fp4(packed, scale, dtype)
-    per_expert = math.prod(packed.shape[1:]) * 2 * 12  # decoded values per expert x (8 B int64 code + 4 B fp32)
-    if packed.shape[0] * per_expert <= EAGER_DEQUANT_BYTES:
-        return dequant_fp4(packed, scale, dtype)
-    step = max(1, EAGER_DEQUANT_BYTES // per_expert)  # eager, large stacks: same values, bounded temporaries
+    step = max(1, budget // _dequant_bytes_per_expert(packed))
     out = torch.empty(*packed.shape[:-1], packed.shape[-1] * 2, dtype=dtype, device=packed.device)
     for e in range(0, packed.shape[0], step):
         out[e:e + step] = dequant_fp4(packed[e:e + step], scale[e:e + step], dtype)
     return out
 
 
-def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """Rows of x [R, K] sorted by expert, w [E, N, K], offs [E] int32 cumulative row ends -> [R, N] in x's dtype."""
-    if x.dtype == torch.bfloat16:  # torch's grouped GEMM (its meta function, hence torch.compile, wants bf16)
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, budget: int | None = None) -> torch.Tensor:
+    """Rows of x [R, K] sorted by expert, w [E, N, K], offs [E] int32 cumulative row ends -> [R, N] in x's dtype.
+
+    bf16: torch's grouped GEMM. fp32 (comparison mode; that GEMM's meta function, hence torch.compile, wants bf16)
+    has two forms. ``budget`` None: every expert on every row, keeping each row's own expert (no host sync, so
+    torch.compile traces it: pass D's fp32 target; E times the work and an [R, E, N] temporary, 90 GiB at full
+    size). An eager budget smaller than that temporary: a loop over the experts' row ranges (one host sync for
+    ``offs``). Rows past ``offs[-1]`` belong to other ranks' experts: garbage the combine never reads (the einsum
+    gives them the last expert's product, the loop zeros)."""
+    if x.dtype == torch.bfloat16:
         return torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
-    # fp32 (comparison mode): every expert on every row, keep each row's own expert (small configs only)
+    if budget is not None and x.shape[0] * w.shape[0] * w.shape[1] * x.element_size() > budget:
+        out = x.new_zeros(x.shape[0], w.shape[1])
+        start = 0
+        for e, end in enumerate(offs.tolist()):
+            if end > start:
+                out[start:end] = x[start:end] @ w[e].t()
+            start = end
+        return out
     expert = torch.bucketize(torch.arange(x.shape[0], device=x.device), offs.long(), right=True)
     out = torch.einsum("rk,enk->ren", x, w)
     return out.gather(1, expert.clamp(max=w.shape[0] - 1).view(-1, 1, 1).expand(-1, 1, w.shape[1])).squeeze(1)
@@ -129,7 +144,11 @@ class RoutedExperts(nn.Module):
     """This rank's FP4 experts, stacked: w1/w3 [El, I, D/2] int8 + [El, I, D/32] E8M0; w2 [El, D, I/2] + [El, D, I/32].
 
     El = n_local_experts: all E on one device, E / ep_size under expert parallelism, where the stack holds the global
-    experts [first, first + El) (``ModelConfig.first_local_expert``)."""
+    experts [first, first + El) (``ModelConfig.first_local_expert``).
+
+    ``eager_budget`` (bytes, default None): the memory budget of an eager run for the expert-stack decode and the
+    fp32 grouped GEMM (``dequant_expert_stack``, ``grouped_mm``); None keeps their whole, traceable forms, the
+    graph torch.compile must see. Set by ``Transformer.set_eager_budget``, never read from the compile state."""
 
     NAMES = ("w1", "w2", "w3")
 
@@ -138,6 +157,7 @@ class RoutedExperts(nn.Module):
         e, i, d, b = cfg.n_local_experts, cfg.moe_inter_dim, cfg.dim, cfg.fp4_block
         self.n_experts, self.first = cfg.n_routed_experts, cfg.first_local_expert
         self.all_local = cfg.n_local_experts == cfg.n_routed_experts  # one device: no expert-parallel remapping
+        self.eager_budget: int | None = None
         shapes = {"w1": (i, d), "w3": (i, d), "w2": (d, i)}
         for name, (out, inp) in shapes.items():
             setattr(self, name, weight_param(e, out, inp // 2, dtype=torch.int8))
@@ -200,14 +220,15 @@ class RoutedExperts(nn.Module):
             x = fq8(x, cfg.act_block)  # the R = T k gathered rows, on k times fewer rows (as an FP8 dispatch does)
         xs = x[order // k]  # [R, D] rows sorted by expert
         ws = weights.flatten()[order].unsqueeze(-1)  # [R, 1]
-        w1 = dequant_expert_stack(self.w1, self.w1_scale, dtype)
-        w3 = dequant_expert_stack(self.w3, self.w3_scale, dtype)
-        w2 = dequant_expert_stack(self.w2, self.w2_scale, dtype)
-        a = swiglu_clipped(grouped_mm(xs, w1, offs), grouped_mm(xs, w3, offs), cfg.swiglu_limit) * ws
+        b = self.eager_budget
+        w1 = dequant_expert_stack(self.w1, self.w1_scale, dtype, b)
+        w3 = dequant_expert_stack(self.w3, self.w3_scale, dtype, b)
+        w2 = dequant_expert_stack(self.w2, self.w2_scale, dtype, b)
+        a = swiglu_clipped(grouped_mm(xs, w1, offs, b), grouped_mm(xs, w3, offs, b), cfg.swiglu_limit) * ws
         a = a.to(dtype)
         if cfg.fake_quant:
             a = fq8(a, cfg.act_block)
-        rows = grouped_mm(a, w2, offs)  # [R, D]
+        rows = grouped_mm(a, w2, offs, b)  # [R, D]
         return moe_combine_naive(rows, order, flat[order] < n_local, k)
 
 
@@ -218,7 +239,7 @@ class MoE(nn.Module):
         self.gate = Gate(cfg, layer_id)
         self.experts = RoutedExperts(cfg)
         self.shared_experts = SharedExpert(cfg)
-        self.exchange: LocalExperts | EmulatedEP = LocalExperts()  # expert parallelism (model.set_expert_exchange)
+        self.exchange: ExpertExchange = LocalExperts()  # expert parallelism (model.set_expert_exchange)
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         """x [T, D] (ffn-normed) -> [T, D]: bf16(sum_e y_e + shared(x)), fp32 accumulation."""

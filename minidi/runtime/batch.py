@@ -40,8 +40,11 @@ def build_step(cm: CacheManager, items: list[StepItem]) -> StepMeta:
     for it in items:
         offs.append(o)
         o += len(it.new_tokens)
-    for it, o in zip(items, offs):
+    for i, (it, o) in enumerate(zip(items, offs)):
         seq, n, p0 = it.seq, len(it.new_tokens), it.seq.length
+        if p0 + n > cfg.max_position_embeddings:  # checked here, on the host: the model's RoPE lookup does not
+            raise ValueError(f"step item {i}: positions [{p0}, {p0 + n}) pass max_position_embeddings "
+                             f"{cfg.max_position_embeddings} (the RoPE tables' length)")
         p = torch.arange(p0, p0 + n)
         ids.append(torch.tensor(it.new_tokens, dtype=torch.long))
         pos.append(p)

@@ -21,10 +21,12 @@ from .checkpoint import load_checkpoint, tiny_checkpoint
 from .random_weights import random_state_dict
 
 
-def model_from_tensors(cfg: ModelConfig, tensors: dict[str, torch.Tensor], device: str | torch.device) -> Transformer:
-    """Build on the meta device and adopt ``tensors`` (no second copy of the weights)."""
+def model_from_tensors(cfg: ModelConfig, tensors: dict[str, torch.Tensor], device: str | torch.device,
+                       engram_rows: int | None = None) -> Transformer:
+    """Build on the meta device and adopt ``tensors`` (no second copy of the weights). ``engram_rows``: the
+    tensors hold smaller Engram tables (``Transformer``'s option of that name)."""
     with torch.device("meta"):
-        model = Transformer(cfg)
+        model = Transformer(cfg, engram_rows=engram_rows)
     tensors = {k: v.to(device) for k, v in tensors.items()}
     model.load_state_dict(tensors, strict=True, assign=True)
     model.reset_buffers()
@@ -37,6 +39,8 @@ def load_model(
     *,
     seed: int = 0,
     share_experts: bool = False,
+    gate_bias: str | None = None,
+    engram_rows: int | None = None,
     **overrides: Any,
 ) -> Transformer:
     """The public entry point.
@@ -44,10 +48,16 @@ def load_model(
     - a directory: a checkpoint in the official layout (config.json, sharded safetensors + index, `.scale` sidecars);
     - ``tiny-*``: the embedded tiny random-weight checkpoint, written on demand in the cache and loaded from disk;
     - ``v41-flash`` / ``v4-flash``: full-size shapes with random weights built on ``device``
-      (``share_experts=True`` shares one routed-expert set across layers so all layers fit on one GPU).
+      (``share_experts=True`` shares one routed-expert set across layers so all layers fit on one GPU;
+      ``gate_bias`` "zero" (None: the default, balanced routing) or "random" (the old 0.3·N router bias:
+      ``random_weights``); ``engram_rows`` holds smaller random Engram tables, hash ids taken modulo).
     ``overrides`` replace config fields (``dtype="float32"``, ``fake_quant=False``, ...).
     """
     name = str(path_or_preset)
+    random = name in PRESETS and not name.startswith("tiny")
+    if not random and (gate_bias is not None or engram_rows is not None):
+        raise ValueError(f"gate_bias / engram_rows choose the random weights of a full-size preset; {name!r} loads "
+                         f"a checkpoint's tensors (the tiny ones are made with gate_bias='random')")
     if Path(name).is_dir():
         return _from_checkpoint(Path(name), device, overrides)
     if name not in PRESETS:
@@ -55,8 +65,9 @@ def load_model(
     if name.startswith("tiny"):
         return _from_checkpoint(tiny_checkpoint(name, seed=seed), device, {"name": name, **overrides})
     cfg = preset(name, **overrides)
-    return model_from_tensors(cfg, random_state_dict(cfg, seed=seed, device=device, share_experts=share_experts),
-                              device)
+    tensors = random_state_dict(cfg, seed=seed, device=device, share_experts=share_experts,
+                                gate_bias=gate_bias or "zero", engram_rows=engram_rows)
+    return model_from_tensors(cfg, tensors, device, engram_rows=engram_rows)
 
 
 def _from_checkpoint(path: Path, device: str | torch.device, overrides: dict[str, Any]) -> Transformer:

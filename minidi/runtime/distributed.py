@@ -2,7 +2,7 @@
 
 Each rank runs attention on its own batch of T_r tokens and holds E/N of the routed experts
 (``ModelConfig.ep_size`` / ``ep_rank``; the loader reads only those experts). Every MoE layer then meets the other
-ranks through ``DistributedEP``, the exchange of ``minidi.model.expert_parallel``:
+ranks through ``DistributedEP``, an ``ExpertExchange`` (the contract in ``minidi.model.expert_parallel``):
 
     dispatch  all-gather every rank's tokens and routing          x [T, D], idx/w [T, k] -> [sum_r T_r, D], [.., k]
     experts   each token's sum over the experts held here         (rows of other ranks' experts are masked: the
@@ -163,7 +163,8 @@ class DistributedEP:
             self.stats[key] += int(n)
 
     # dispatch / combine ----------------------------------------------------------------------------------------------
-    def dispatch(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor):
+    def dispatch(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [T, D], idx [T, k] int64 global expert ids, w [T, k] fp32 -> every rank's, in rank order:
         [sum_r T_r, D], [sum_r T_r, k] int64, [sum_r T_r, k] (w's dtype)."""
         stages.enter("moe.comm", x)

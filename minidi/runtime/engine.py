@@ -194,8 +194,8 @@ class Engine:
                     continue
                 self.cache.grow(seq.cache, seq.cache.length + n)
                 p0 = seq.cache.length
-                items.append(StepItem(seq.cache, seq.tokens[p0:p0 + n], seq.tokens[max(0, p0 - 3):p0],
-                                      all_logits=seq.req.all_logits))
+                hist = seq.tokens[max(0, p0 - (self.cfg.engram_max_ngram - 1)):p0]  # Engram K-gram: K - 1 before p0
+                items.append(StepItem(seq.cache, seq.tokens[p0:p0 + n], hist, all_logits=seq.req.all_logits))
                 chosen.append(seq)
                 budget -= n
             if not items:

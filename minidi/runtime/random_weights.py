@@ -5,6 +5,12 @@ hides whole classes of bugs). Quantised tensors are made the way the release sto
 ``quantize_fp8`` on N(0,1)/sqrt(fan_in) draws, routed experts by ``quantize_fp4``, the Engram table by per-row 1x32
 FP8 quantisation (``quantize_fp8_rows``).
 
+Router biases (``ffn.gate.bias`` / ``bias_vl``) are zero by default: a trained router with loss-free balancing routes
+near uniformly, and zero bias comes close (V4.1 EP4 workload: expert loads max/mean 1.4, cv 0.15), where the old
+0.3·N draw dominated the router's scores (max/mean 16.6, cv 2.4). ``gate_bias="random"`` keeps that draw (the
+embedded tiny checkpoints are made with it, so their tensors and goldens are unchanged). The draw is made either way,
+so every other tensor is the same for a given seed.
+
 Full-size shapes are generated directly on ``device``: routed experts of a layer are drawn as one [E, out, in] stack
 (in chunks of experts so fp32 temporaries stay bounded) and handed out as per-expert views.
 """
@@ -61,8 +67,11 @@ class _Gen:
         return torch.rand(shape, generator=self.g, device=self.device, dtype=torch.float32)
 
 
-def _plain(gen: _Gen, spec: TensorSpec, n_experts: int) -> torch.Tensor:
-    """A bf16 / f32 / i64 tensor following its init hint."""
+GATE_BIASES = ("zero", "random")
+
+
+def _plain(gen: _Gen, spec: TensorSpec, n_experts: int, gate_bias: str = "random") -> torch.Tensor:
+    """A bf16 / f32 / i64 tensor following its init hint (``gate_bias``: see the module docstring)."""
     shape, init = spec.shape, spec.init
     if init == "tid2eid":  # each row: k distinct experts = first k of a random permutation of the n_experts
         vocab, k = shape
@@ -82,7 +91,9 @@ def _plain(gen: _Gen, spec: TensorSpec, n_experts: int) -> torch.Tensor:
     elif init == "hc_scale":
         x = 0.5 + gen.rand(*shape)
     elif init == "bias":
-        x = 0.3 * gen.randn(*shape)
+        x = 0.3 * gen.randn(*shape)  # drawn either way: the draws after it do not depend on gate_bias
+        if gate_bias == "zero":
+            x = torch.zeros_like(x)
     else:
         raise ValueError(f"unknown init hint {init!r}")
     return x.to(spec.dtype)
@@ -117,6 +128,8 @@ def random_state_dict(
     device: torch.device | str = "cpu",
     share_experts: bool = False,
     share_engram: bool | None = None,
+    gate_bias: str = "zero",
+    engram_rows: int | None = None,
 ) -> dict[str, torch.Tensor]:
     """Random tensors for every name of ``expected_tensors(cfg)``, in checkpoint dtypes/shapes, on ``device``.
 
@@ -124,8 +137,15 @@ def random_state_dict(
         model then fits one GPU: V4.1 routed experts are 7.2 GB per layer).
     share_engram: (default = ``share_experts``) every Engram layer's table is a row-prefix view of one table drawn
         for the largest row count (the full-size V4.1 tables are ~101 GB each; two do not fit one H200).
+    gate_bias: "zero" (default, balanced routing) or "random" (0.3·N, the old draw): the module docstring.
+    engram_rows: at most this many rows per Engram table (the tables of ``Transformer(cfg, engram_rows=...)``;
+        default: the real row counts).
     Deterministic for a given (seed, device type); the draw order is the table order.
     """
+    if gate_bias not in GATE_BIASES:
+        raise ValueError(f"gate_bias must be one of {GATE_BIASES}, got {gate_bias!r}")
+    if engram_rows is not None and engram_rows < 1:
+        raise ValueError(f"engram_rows must be >= 1 (None = the real tables), got {engram_rows}")
     device = torch.device(device)
     share_engram = share_experts if share_engram is None else share_engram
     table = expected_tensors(cfg)
@@ -152,15 +172,17 @@ def random_state_dict(
                     shared_experts = {k[len(lp):]: v for k, v in made.items()}
         elif spec.kind == "fp8_rows":
             rows, d = spec.shape
+            rows = rows if engram_rows is None else min(rows, engram_rows)
             if share_engram:
                 if engram_src is None:
-                    engram_src = _engram_table(gen, max(cfg.engram_rows(li) for li in cfg.engram_layers), d)
+                    most = max(cfg.engram_rows(li) for li in cfg.engram_layers)
+                    engram_src = _engram_table(gen, most if engram_rows is None else min(most, engram_rows), d)
                 q, s = engram_src[0][:rows], engram_src[1][:rows]
             else:
                 q, s = _engram_table(gen, rows, d)
             out[name], out[scale_name(name)] = q, s
         else:
-            out[name] = _plain(gen, spec, cfg.n_routed_experts)
+            out[name] = _plain(gen, spec, cfg.n_routed_experts, gate_bias)
     missing = table.keys() - out.keys()
     assert not missing, f"random_state_dict left out {sorted(missing)[:5]}"
     return {k: out[k] for k in table}

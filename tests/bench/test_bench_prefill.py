@@ -186,6 +186,7 @@ def test_expert_loads_report(tmp_path):
     assert all(v["rows"] % 2 == 0 and v["rows"] <= 2 * 16 * cfg.n_activated_experts
                for v in report["layers"].values())
     assert set(report["median_over_layers"]) == {"max_over_mean", "cv", "tile_fill_bm256", "tile_fill_bm64"}
+    assert report["gate_bias_abs_mean"] > 0.1  # the tiny checkpoint's router bias (0.3 x randn), named in the report
     wl = build_workload(model, 16, 64, 1, 0, [])
     counts = collect_counts(model, lambda: model.step(wl.meta, wl.cache.tensors))
     assert sorted(counts) == list(range(cfg.n_layers))
@@ -199,3 +200,30 @@ def test_expert_loads_report(tmp_path):
     first, n_local = cfg.first_local_expert, cfg.n_local_experts
     assert all(first_step["layers"][i]["rows"] == 2 * int(c[first:first + n_local].sum()) for i, c in counts.items())
     assert all(first_step["layers"][i]["max"] == 2 * int(c[first:first + n_local].max()) for i, c in counts.items())
+
+
+def test_eager_mode_sets_the_memory_budget_and_compiled_modes_clear_it():
+    """The model never asks whether it is compiled: the benchmark's eager mode sets its eager budget (bounded
+    temporaries at full size), a compiled mode clears it (the whole chains the passes match)."""
+    import argparse
+
+    from bench.bench_prefill import make_step
+    from minidi.model.model import EAGER_BUDGET_BYTES
+
+    model = build_model("tiny-v41", "cpu", "float32", 1, "auto", None, 0, [])
+    make_step(model, "eager", argparse.Namespace())
+    assert {b.ffn.experts.eager_budget for b in model.layers} == {b.attn.eager_budget for b in model.layers} == {
+        EAGER_BUDGET_BYTES}
+    make_step(model, "compile", argparse.Namespace(passes="all", backend="aot_eager", compile_scope="layer"))
+    assert {b.ffn.experts.eager_budget for b in model.layers} == {b.attn.eager_budget for b in model.layers} == {None}
+    torch._dynamo.reset()
+    for block in model.layers:
+        block._compiled_call_impl = None
+    model.layer_hook = None
+
+
+def test_gate_bias_and_engram_rows_are_for_random_presets_only():
+    with pytest.raises(SystemExit, match="--gate_bias / --engram_table_rows choose random weights"):
+        build_model("tiny-v41", "cpu", "float32", 1, "auto", None, 0, [], gate_bias="random")
+    with pytest.raises(SystemExit, match="--gate_bias / --engram_table_rows"):
+        build_model("tiny-v41", "cpu", "float32", 1, "auto", 100, 0, [])

@@ -274,4 +274,4 @@ def random_official_tensors(cfg: ModelConfig, seed: int) -> dict[str, torch.Tens
     """Random, non-degenerate official-format tensors from the shared generator."""
     from minidi.runtime.random_weights import random_state_dict
 
-    return random_state_dict(cfg, seed)
+    return random_state_dict(cfg, seed, gate_bias="random")  # non-degenerate: the router bias too

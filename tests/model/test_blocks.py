@@ -83,7 +83,7 @@ def test_sparse_attention_sink_is_denominator_only_and_bf16_rounding():
 
 
 def test_indexer_topk_eager_query_chunks_equal_the_whole_product(monkeypatch):
-    """Eager builds the [T, Hi, N] product in query chunks past EAGER_SCORE_BYTES (memory only): same scores, same
+    """Under an eager budget the [T, Hi, N] product is built in query chunks (memory only): same scores, same
     picks, for chunk sizes that do and do not divide T (ragged last chunk) and for 1-row chunks."""
     from minidi.model import indexer
 
@@ -95,11 +95,11 @@ def test_indexer_topk_eager_query_chunks_equal_the_whole_product(monkeypatch):
     idx_whole, s_whole = indexer_topk_naive(q, k, w, k_start, k_end, 6, allowed)
     row_bytes = hi * n * q.element_size()
     for rows in (1, 4, 5, t - 1):
-        monkeypatch.setattr(indexer, "EAGER_SCORE_BYTES", rows * row_bytes + row_bytes // 2)  # rows per chunk
+        budget = rows * row_bytes + row_bytes // 2  # rows per chunk
         calls = []
         real = indexer._head_weighted_scores
         monkeypatch.setattr(indexer, "_head_weighted_scores", lambda *a: calls.append(a[0].shape[0]) or real(*a))
-        idx_c, s_c = indexer_topk_naive(q, k, w, k_start, k_end, 6, allowed)
+        idx_c, s_c = indexer_topk_naive(q, k, w, k_start, k_end, 6, allowed, budget)
         assert calls == [rows] * (t // rows) + ([t % rows] if t % rows else [])  # really chunked, ragged tail
         assert torch.allclose(s_c, s_whole, atol=1e-6, rtol=0) and torch.equal(s_c.isinf(), s_whole.isinf())
         assert torch.equal(idx_c, idx_whole)
@@ -107,7 +107,7 @@ def test_indexer_topk_eager_query_chunks_equal_the_whole_product(monkeypatch):
 
 
 def test_expert_dequant_eager_chunks_equal_the_whole_stack(monkeypatch):
-    """Eager decodes the FP4 expert stack a few experts at a time past EAGER_DEQUANT_BYTES (memory only): bit-equal
+    """Under an eager budget the FP4 expert stack is decoded a few experts at a time (memory only): bit-equal
     to the whole decode, for chunks that do and do not divide E, with E8M0 edge codes (0, 127, 255 = NaN)."""
     from minidi.model import moe, quant
 
@@ -120,11 +120,11 @@ def test_expert_dequant_eager_chunks_equal_the_whole_stack(monkeypatch):
     whole = quant.dequant_fp4(packed, scale, torch.bfloat16)
     per_expert = n * k * 12
     for step in (1, 3, e - 1):
-        monkeypatch.setattr(moe, "EAGER_DEQUANT_BYTES", step * per_expert + per_expert // 2)
+        budget = step * per_expert + per_expert // 2
         calls = []
         real = moe.dequant_fp4
         monkeypatch.setattr(moe, "dequant_fp4", lambda p, *a: calls.append(p.shape[0]) or real(p, *a))
-        out = moe.dequant_expert_stack(packed, scale, torch.bfloat16)
+        out = moe.dequant_expert_stack(packed, scale, torch.bfloat16, budget)
         assert calls == [step] * (e // step) + ([e % step] if e % step else [])  # really chunked, ragged tail
         assert out.dtype == torch.bfloat16 and torch.equal(out.isnan(), whole.isnan()) and whole.isnan().any()
         assert torch.equal(out.nan_to_num(), whole.nan_to_num())
@@ -213,3 +213,103 @@ def test_rope_yarn_tiny_ramp():
     assert math.isclose(f[3].item(), (base[3] * (1 - ramp3) + base[3] / 16 * ramp3).item(), rel_tol=1e-6)
     main = rope_inv_freq(cfg, compressed=False).double()
     assert torch.allclose(main, 1.0 / (cfg.rope_theta ** (torch.arange(0, 64, 2).double() / 64)), rtol=1e-6)
+
+
+def _old_fp32_grouped_mm(x, w, offs):
+    """The fp32 form before issue 17 (and still the traceable one): every expert on every row, keep each row's own."""
+    expert = torch.bucketize(torch.arange(x.shape[0]), offs.long(), right=True)
+    out = torch.einsum("rk,enk->ren", x, w)
+    return out.gather(1, expert.clamp(max=w.shape[0] - 1).view(-1, 1, 1).expand(-1, 1, w.shape[1])).squeeze(1)
+
+
+def test_fp32_routed_experts_under_an_eager_budget_compute_each_row_once():
+    """Issue 17 bug: the fp32 grouped GEMM ran every expert on every row (E times the work; a 90 GiB einsum at full
+    size). With an eager budget the routed experts do one row's GEMMs once (FLOPs of the real work only) and give
+    the einsum's results; without one (the traceable form torch.compile sees) the graph is the einsum's."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    cfg = preset("tiny-v41", dtype="float32", fake_quant=False)
+    ex = RoutedExperts(cfg)
+    g = torch.Generator().manual_seed(7)
+    for name in ex.NAMES:
+        w, s = getattr(ex, name), getattr(ex, f"{name}_scale")
+        w.data = torch.randint(-128, 128, w.shape, dtype=torch.int8, generator=g)
+        s.data = torch.randint(120, 128, s.shape, dtype=torch.uint8, generator=g)
+    t, k, e = 23, cfg.n_activated_experts, cfg.n_routed_experts
+    x = torch.randn(t, cfg.dim, generator=g)
+    idx = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+    wts = torch.rand(t, k, generator=g)
+    idx[:5] = torch.arange(k)  # some experts get many rows, some (likely) none
+    ex.eager_budget = 1 << 10  # far below the [R, E, N] einsum product
+    with torch.no_grad(), FlopCounterMode(display=False) as fc:
+        out = ex(x, idx, wts, cfg)
+    rows = t * k
+    real = 2 * rows * cfg.dim * cfg.moe_inter_dim * 3  # w1, w3, w2 once per routed row
+    assert fc.get_total_flops() == real, (fc.get_total_flops(), real)
+    ex.eager_budget = None
+    with torch.no_grad():
+        want = ex(x, idx, wts, cfg)
+    assert (out - want).abs().max() <= 1e-6 * want.abs().max()  # fp32 summation order only
+
+
+def test_fp32_grouped_mm_loop_equals_the_einsum_form():
+    """The per-expert loop (eager budget) against the old einsum on ragged groups, empty experts and rows past the
+    last local expert (other ranks' rows: the loop leaves them zero, the einsum computed garbage; both unread)."""
+    g = torch.Generator().manual_seed(5)
+    x, w = torch.randn(19, 24, generator=g), torch.randn(5, 12, 24, generator=g)
+    offs = torch.tensor([3, 3, 9, 9, 16], dtype=torch.int32)  # experts 1 and 3 empty, rows 16.. elsewhere
+    want = _old_fp32_grouped_mm(x, w, offs)
+    got = grouped_mm(x, w, offs, budget=0)
+    torch.testing.assert_close(got[:16], want[:16], atol=1e-6, rtol=1e-6)
+    assert torch.equal(got[16:], torch.zeros(3, 12))
+    assert torch.equal(grouped_mm(x, w, offs), want)  # no budget: the einsum form itself
+
+
+# ---- the model stays plain: eager budgets, layer kinds ------------------------------------------------------------
+def test_eager_budget_is_set_by_the_runtime_not_read_from_the_compile_state():
+    """A built model keeps the whole (traceable) chains; ``set_eager_budget`` reaches every budgeted module and
+    ``None`` clears it. The model source never asks whether it is being compiled."""
+    import pathlib
+
+    import minidi
+    from minidi.model import model as model_mod
+    from minidi.model.attention import Attention
+
+    m = minidi.load_model("tiny-v41", dtype="float32", fake_quant=False)
+    budgeted = [mod for mod in m.modules() if isinstance(mod, (Attention, RoutedExperts))]
+    assert len(budgeted) == 2 * m.cfg.n_layers and all(mod.eager_budget is None for mod in budgeted)
+    m.set_eager_budget()
+    assert all(mod.eager_budget == model_mod.EAGER_BUDGET_BYTES for mod in budgeted)
+    m.set_eager_budget(None)
+    assert all(mod.eager_budget is None for mod in budgeted)
+    with pytest.raises(ValueError, match="eager budget"):
+        m.set_eager_budget(-1)
+    src = pathlib.Path(model_mod.__file__).parent
+    assert not [p.name for p in src.glob("*.py") if "is_compiling" in p.read_text()]
+
+
+def test_eager_budget_changes_no_value_of_a_step():
+    """A tiny budget chunks every budgeted chain (indexer queries, expert decode, fp32 expert loop): same logits."""
+    import minidi
+
+    m = minidi.load_model("tiny-v41", dtype="float32", fake_quant=False)
+    ids = torch.randint(0, m.cfg.vocab_size, (40,), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        whole = m(ids)
+        m.set_eager_budget(256)
+        pieces = m(ids)
+    m.set_eager_budget(None)
+    torch.testing.assert_close(pieces, whole, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["tiny-v41", "tiny-v4"])
+def test_block_kind_names_the_roles_that_shape_the_graph(name):
+    import minidi
+
+    m = minidi.load_model(name)
+    for b in m.layers:
+        a = b.attn
+        assert b.kind() == (a.ratio, a.kv_source, a.index_source, a.owns_index_keys, a.candidate_filtered,
+                            a.candidate_source, a.v4_indexer, b.has_engram, b.ffn.gate.hash)
+    kinds = [b.kind() for b in m.layers]
+    assert 1 < len(set(kinds)) < len(kinds)  # some layers share a graph, not all

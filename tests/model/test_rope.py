@@ -33,14 +33,24 @@ def test_lookup_equals_rope_cos_sin_bitwise(name, compressed):
         assert torch.equal(cos, want_cos) and torch.equal(sin, want_sin)
 
 
-def test_lookup_rejects_positions_outside_the_table():
+def test_positions_past_the_table_are_rejected_on_the_host():
+    """The lookup is plain (no host check inside the step); positions are checked where they are made: the step
+    builder refuses an item whose positions pass max_position_embeddings, and the reference forward a longer
+    sequence. The lookup itself takes an empty position list (no compressed entries)."""
+    from minidi.runtime.batch import StepItem, build_step
+    from minidi.runtime.cache import CacheManager, SeqCache
+
     cfg = preset("tiny-v41")
     p = cfg.max_position_embeddings
+    cm = CacheManager(cfg, max_slots=2, max_tokens=2 * (p + 8), page_size=8)
+    ok, bad = SeqCache(), SeqCache()
+    cm.grow(ok, p)
+    cm.grow(bad, p + 1)
+    build_step(cm, [StepItem(ok, list(range(p)), [])])
+    with pytest.raises(ValueError, match=f"step item 1: positions \\[0, {p + 1}\\) pass max_position_embeddings {p}"):
+        build_step(cm, [StepItem(ok, [1], []), StepItem(bad, list(range(p + 1)), [])])
     table = rope_table(rope_inv_freq(cfg, True), p)
-    for bad in (p, p + 5, -1):
-        with pytest.raises(IndexError, match=f"RoPE position {bad} outside the table \\[0, {p}\\)"):
-            rope_cos_sin_lookup(torch.tensor([0, bad, 3]), table)
-    cos, sin = rope_cos_sin_lookup(torch.zeros(0, dtype=torch.long), table)  # empty (no compressed entries)
+    cos, sin = rope_cos_sin_lookup(torch.zeros(0, dtype=torch.long), table)
     assert cos.shape == sin.shape == (0, cfg.rope_head_dim // 2)
 
 

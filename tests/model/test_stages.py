@@ -17,7 +17,7 @@ from torch._dynamo.utils import counters
 import minidi
 from minidi.model import stages
 from minidi.model.context import ModelCache, StepMeta
-from minidi.model.expert_parallel import EmulatedEP
+from minidi.runtime.expert_parallel import EmulatedEP
 from minidi.runtime.build import model_from_tensors
 from minidi.runtime.random_weights import random_state_dict
 

@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import minidi
+from minidi.model.expert_parallel import ExpertExchange
 from minidi.runtime.batch import StepItem, build_step
 from minidi.runtime.cache import CacheManager, SeqCache
 from minidi.runtime.distributed import (DistributedEP, check_experts_divisible, init_from_env,
@@ -66,6 +67,7 @@ def _rank_main(rank: int, world: int, port: int, out: str) -> None:
         model = minidi.load_model("tiny-v41", ep_size=world, ep_rank=rank, **MODEL)
         assert model.layers[0].ffn.experts.w1.shape[0] == 8 // world  # only this rank's experts were loaded
         ex = install_expert_parallel(model, measure=True)
+        assert isinstance(ex, ExpertExchange)  # the contract MoE types its exchange with
         per_layer = run_batch(model, rank_batch(rank))  # counts all-gathered in every MoE layer
         planned = run_batch(model, rank_batch(rank), exchange=ex)  # counts once per step
         uni = install_expert_parallel(model, uniform=True)

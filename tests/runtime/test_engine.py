@@ -135,3 +135,22 @@ class TestGoldenGeneration(expecttest.TestCase):
 
         eng = Engine(minidi.load_model("tiny-v4"), max_batch_tokens=16, cache_tokens=1024, page_size=8)
         self.assertExpectedInline(str(eng.generate([PROMPT], 8)[0].tokens), """[198, 56, 177, 177, 10, 241, 81, 139]""")
+
+
+def test_chunked_prefill_with_a_longer_engram_ngram():
+    """Issue 17 bug: the Engram history handed to each chunk was 3 tokens, where a K-gram needs K - 1 = 4 here: the
+    hash ids at each chunk boundary were wrong (shifts past the history read as 'before the start')."""
+    from minidi.model.engram_hash import engram_primes
+    from minidi.model.presets import preset
+    from minidi.runtime.build import model_from_tensors
+    from minidi.runtime.random_weights import random_state_dict
+
+    base = preset("tiny-v41", dtype="float32", fake_quant=False)
+    rows = tuple(int(p.sum()) for p in engram_primes(base.with_(engram_max_ngram=5)).values())
+    cfg = base.with_(engram_max_ngram=5, engram_num_embeddings=rows)
+    model = model_from_tensors(cfg, random_state_dict(cfg, seed=2), "cpu")
+    ids = _ids(cfg, 40, 3)
+    want = model(torch.tensor(ids))
+    for chunk in (5, 13):
+        r = _engine(model, max_batch_tokens=chunk).prefill([Request(ids, all_logits=True)])[0]
+        assert (r.logits - want).abs().max() < TOL, chunk

@@ -1,6 +1,6 @@
 """Expert parallelism: the config fields, one rank's experts loaded from the checkpoint (and only those), the MoE
 identity the distributed exchange relies on (the ranks' routed outputs sum to the one-device output), the emulated
-exchange of the benchmarks, and the smaller random Engram tables of ``engram_table_rows``."""
+exchange of the benchmarks, and the smaller random Engram tables of ``Transformer(cfg, engram_rows=...)``."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import torch
 
 import minidi
 from minidi.model.context import ModelCache, StepMeta
-from minidi.model.expert_parallel import EmulatedEP, LocalExperts
+from minidi.model.expert_parallel import ExpertExchange, LocalExperts
+from minidi.runtime.expert_parallel import EmulatedEP
 from minidi.runtime.build import model_from_tensors, rank_experts_only
 from minidi.runtime.checkpoint import CheckpointError, load_checkpoint, tiny_checkpoint, write_checkpoint
 from minidi.runtime.random_weights import random_state_dict
@@ -50,7 +51,6 @@ def test_config_local_expert_range():
     (dict(ep_size=0), "ep_size 0"),
     (dict(ep_size=2, ep_rank=2), "ep_rank 2"),
     (dict(ep_size=2, ep_rank=-1), "ep_rank -1"),
-    (dict(engram_table_rows=-1), "engram_table_rows"),
 ])
 def test_config_rejects_bad_ep(changes, field):
     with pytest.raises(ValueError, match=field):
@@ -265,29 +265,49 @@ def test_emulated_rank_computes_its_own_tokens_like_a_local_rank(ranks):
     torch.testing.assert_close(emulated, local, atol=1e-5, rtol=1e-5)
 
 
-# ---- engram_table_rows ----------------------------------------------------------------------------------------------
+# ---- smaller Engram tables (a construction-time option, not a config field) -----------------------------------------
 def test_smaller_engram_tables():
-    real = minidi.preset("tiny-v41", **KW)
-    small = real.with_(engram_table_rows=100)
-    assert [small.engram_rows(l) for l in small.engram_layers] == [100, 100]
-    assert [real.engram_rows(l) for l in real.engram_layers] == list(real.engram_num_embeddings) == [630, 834]
-    assert real.with_(engram_table_rows=700).engram_rows(4) == 700 and real.with_(engram_table_rows=700).engram_rows(1) == 630
-    table = expected_tensors(small)
-    assert table["layers.1.engram.embed.weight"].shape == (100, small.engram_head_dim)
-    assert table["layers.4.engram.embed.weight"].shape == (100, small.engram_head_dim)
+    cfg = minidi.preset("tiny-v41", **KW)
+    assert not hasattr(cfg, "engram_table_rows")  # no benchmark field in the config
+    assert [cfg.engram_rows(l) for l in cfg.engram_layers] == list(cfg.engram_num_embeddings) == [630, 834]
+    sd = random_state_dict(cfg, seed=0, engram_rows=100)
+    assert sd["layers.1.engram.embed.weight"].shape == (100, cfg.engram_head_dim)
+    assert sd["layers.4.engram.embed.weight"].shape == (100, cfg.engram_head_dim)
+    assert random_state_dict(cfg, seed=0, engram_rows=700)["layers.1.engram.embed.weight"].shape[0] == 630
 
-    model = model_from_tensors(small, random_state_dict(small, seed=0), "cpu")
-    assert model.layers[1].engram.embed.weight.shape[0] == 100
+    model = model_from_tensors(cfg, sd, "cpu", engram_rows=100)
+    assert model.engram_rows == 100
+    assert model.layers[1].engram.rows == model.layers[1].engram.embed.weight.shape[0] == 100
     assert model.layers[4].engram.embed.weight.shape[0] == 100
-    meta = _meta(small, 32)
+    meta = _meta(cfg, 32)
     ids = model.engram_ids(meta)
     assert set(ids) == {1, 4}
     assert all(int(v.min()) >= 0 and int(v.max()) < 100 for v in ids.values())
     with torch.no_grad():
         assert torch.isfinite(model.step(meta, ModelCache())).all()
 
-    full_model = minidi.load_model("tiny-v41", **KW)  # 0: the real tables, ids over all their rows
+    full_model = minidi.load_model("tiny-v41", **KW)  # the real tables, ids over all their rows
     full_ids = full_model.engram_ids(meta)
-    assert full_model.layers[4].engram.embed.weight.shape[0] == 834
+    assert full_model.engram_rows is None and full_model.layers[4].engram.embed.weight.shape[0] == 834
     assert int(full_ids[4].max()) >= 100 and int(full_ids[4].max()) < 834
     assert all(torch.equal(ids[l], full_ids[l] % 100) for l in (1, 4))  # the small table takes the ids modulo
+    with pytest.raises(RuntimeError, match="size mismatch"):  # the real-size model refuses the small tables
+        model_from_tensors(cfg, sd, "cpu")
+    with pytest.raises(ValueError, match="engram_rows must be >= 1"):
+        random_state_dict(cfg, engram_rows=0)
+    with pytest.raises(ValueError, match="gate_bias / engram_rows"):  # checkpoints hold their real tables
+        minidi.load_model("tiny-v41", engram_rows=100)
+
+
+def test_exchanges_follow_the_protocol():
+    """LocalExperts (the model's default), EmulatedEP and DistributedEP are ExpertExchanges (the distributed one is
+    also checked on live ranks in tests/runtime/test_distributed.py)."""
+    from minidi.runtime.distributed import DistributedEP
+
+    for ex in (LocalExperts(), EmulatedEP(2)):
+        assert isinstance(ex, ExpertExchange)
+    for name in ("dispatch", "combine", "describe"):
+        assert callable(getattr(DistributedEP, name))
+    assert not isinstance(object(), ExpertExchange)
+    model = minidi.load_model("tiny-v41", **KW)
+    assert all(isinstance(b.ffn.exchange, ExpertExchange) for b in model.layers)

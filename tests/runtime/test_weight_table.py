@@ -190,7 +190,21 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def tiny_sd():
-    return {name: random_state_dict(preset(name), seed=0) for name in TINY}
+    """The draws of the tiny checkpoints (router bias 0.3·N: every tensor non-degenerate)."""
+    return {name: random_state_dict(preset(name), seed=0, gate_bias="random") for name in TINY}
+
+
+@pytest.mark.parametrize("name", TINY)
+def test_default_gate_bias_is_zero_and_changes_nothing_else(name, tiny_sd):
+    """Balanced routing by default: zero router biases; every other tensor is the gate_bias="random" draw's, bit for
+    bit (the bias is drawn either way), so the old workload is one flag away."""
+    cfg, old = preset(name), tiny_sd[name]
+    sd = random_state_dict(cfg, seed=0)
+    biases = [n for n in sd if n.endswith((".ffn.gate.bias", ".ffn.gate.bias_vl"))]
+    assert biases and all(not sd[n].any() for n in biases) and all(old[n].std() > 0.1 for n in biases)
+    assert all(torch.equal(_bits(sd[n]), _bits(old[n])) for n in sd if n not in biases)
+    with pytest.raises(ValueError, match="gate_bias must be one of"):
+        random_state_dict(cfg, gate_bias="uniform")
 
 
 @pytest.mark.parametrize("name", TINY)
@@ -236,7 +250,8 @@ def test_random_non_degenerate(name, tiny_sd):
 
 def test_random_deterministic_and_seeded(tiny_sd):
     cfg = preset("tiny-v41-b")
-    a, b, c = tiny_sd["tiny-v41-b"], random_state_dict(cfg, seed=0), random_state_dict(cfg, seed=1)
+    a, b, c = (tiny_sd["tiny-v41-b"], random_state_dict(cfg, seed=0, gate_bias="random"),
+               random_state_dict(cfg, seed=1, gate_bias="random"))
     assert all(torch.equal(_bits(a[n]), _bits(b[n])) for n in a)
     differ = [n for n in a if not torch.equal(_bits(a[n]), _bits(c[n]))]
     # every tensor changes with the seed (scales may coincide when the draws land in the same binade)
