@@ -7,6 +7,8 @@ Legend: T tokens, n mHC streams, D width, V vocab.
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import torch
 from torch import nn
 
@@ -24,6 +26,20 @@ from .moe import MoE
 
 EAGER_BUDGET_BYTES = 1 << 30
 """The default memory budget of ``Transformer.set_eager_budget``: 1 GiB of temporaries per budgeted chain."""
+
+
+class LayerKind(NamedTuple):
+    """A layer's roles (``Block.kind()``): layers of one kind trace to the same graph."""
+
+    ratio: int
+    kv_source: Any
+    index_source: Any
+    owns_index_keys: bool
+    candidate_filtered: bool
+    candidate_source: Any
+    v4_indexer: bool
+    engram: bool
+    hash_routed: bool
 
 
 class Block(nn.Module):
@@ -47,14 +63,14 @@ class Block(nn.Module):
             real = cfg.engram_rows(layer_id)
             self.engram = Engram(cfg, real if engram_rows is None else min(real, engram_rows))
 
-    def kind(self) -> tuple:
+    def kind(self) -> LayerKind:
         """What makes two layers trace to the same graph: their roles (attention ratio, kv / index source, index-key
         owner, candidate filter / source, V4 indexer, Engram, hash routing); ``forward`` reads nothing else that
         differs between layers (it never reads ``layer_id``: see ``LayerCache``). A per-layer compile reuses one
         graph for every layer of a kind."""
         a = self.attn
-        return (a.ratio, a.kv_source, a.index_source, a.owns_index_keys, a.candidate_filtered, a.candidate_source,
-                a.v4_indexer, self.has_engram, self.ffn.gate.hash)
+        return LayerKind(a.ratio, a.kv_source, a.index_source, a.owns_index_keys, a.candidate_filtered,
+                         a.candidate_source, a.v4_indexer, self.has_engram, self.ffn.gate.hash)
 
     def _mix(self, site: str, x: torch.Tensor):
         c = self.cfg

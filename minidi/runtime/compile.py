@@ -29,7 +29,7 @@ import contextlib
 import logging
 import time
 from collections import Counter
-from typing import Any, Callable, Iterable, NamedTuple
+from typing import Any, Callable, Iterable
 
 import torch
 from torch.fx import GraphModule
@@ -188,28 +188,9 @@ class CompiledStep:
         self._compiled = self.fn
 
 
-class _LayerKind(NamedTuple):
-    """What makes two layers trace to the same graph (fallback until ``Block.kind()`` exists in the model)."""
-
-    ratio: int
-    kv_source: Any
-    index_source: Any
-    owns_index_keys: bool
-    candidate_filtered: bool
-    candidate_source: Any
-    v4_indexer: bool
-    engram: bool
-    hash_routed: bool
-
-
 def layer_kind(block: torch.nn.Module) -> Any:
-    """The block's kind: ``Block.kind()`` (the model names its layer kinds); until that lands, the same roles read
-    here (the forward reads nothing else that differs between layers)."""
-    if callable(getattr(block, "kind", None)):
-        return block.kind()
-    a = block.attn  # fallback: remove once Block.kind() is merged
-    return _LayerKind(a.ratio, a.kv_source, a.index_source, a.owns_index_keys, a.candidate_filtered,
-                      a.candidate_source, a.v4_indexer, block.has_engram, block.ffn.gate.hash)
+    """The block's kind (``Block.kind()``: the model names its layer kinds; a named tuple for the progress lines)."""
+    return block.kind()
 
 
 def _describe(kind: Any) -> str:
