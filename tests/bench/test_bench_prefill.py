@@ -199,3 +199,40 @@ def test_expert_loads_report(tmp_path):
     first, n_local = cfg.first_local_expert, cfg.n_local_experts
     assert all(first_step["layers"][i]["rows"] == 2 * int(c[first:first + n_local].sum()) for i, c in counts.items())
     assert all(first_step["layers"][i]["max"] == 2 * int(c[first:first + n_local].max()) for i, c in counts.items())
+
+
+@pytest.mark.parametrize("cached, want", [("0", 0), ("5", 5), (None, 192)])
+def test_cached_tokens_as_given(tmp_path, monkeypatch, cached, want):
+    """``--cached_tokens 0`` is a prefill with no cached prefix (it ran 192 cached tokens: ``or 192``); no value
+    gives the tiny default. Checked on the workload the modes receive (no step is run)."""
+    import bench.bench_prefill as bp
+
+    seen = []
+
+    def record(mode, wl, *a, **kw):
+        seen.append(wl.cached_tokens)
+        raise torch.OutOfMemoryError("stop here")  # recorded as a failed mode: nothing is run
+
+    monkeypatch.setattr(bp, "run_mode", record)
+    argv = ["--model", "tiny-v41", "--device", "cpu", "--prefill_batch_size", "8", "--out_dir", str(tmp_path)]
+    main(argv + (["--cached_tokens", cached] if cached is not None else []))
+    assert seen == [want]
+
+
+def test_phase_lines_and_median_stage_table(eager, capsys):
+    """The run's phases are reported with their seconds; the stage table is the median over the profiled steps and
+    the line says how far its sum is from the timed step (or nothing when within 10 %)."""
+    res = eager[2][0]
+    assert set(res["phases_s"]) >= {"make step", "first step", "timing (1 steps)", "profile (1 steps)"}
+    assert res["profile_steps"] == 1 and len(res["profiled_step_sums_ms"]) == 1
+    assert sum(res["stages_ms"].values()) == pytest.approx(res["profiled_step_sums_ms"][0], abs=0.01)
+    assert "stage_sum_note" in res
+
+
+def test_stage_sum_note():
+    from bench.bench_prefill import stage_sum_note
+
+    assert stage_sum_note(105.0, [100.0, 101.0], cuda=False) is None
+    assert "profiler's own cost" in stage_sum_note(200.0, [100.0, 101.0], cuda=False)
+    assert "range 50.00-150.00 ms" in stage_sum_note(300.0, [50.0, 100.0, 150.0], cuda=False)
+    assert "streams" in stage_sum_note(150.0, [100.0], cuda=True)
