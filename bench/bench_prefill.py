@@ -163,7 +163,7 @@ def run_mode(mode: str, wl, args, card: dict, out_dir: Path) -> dict:
     cfg, device = wl.model.cfg, args.device
     phase = common.Phases(f"[{mode}] ")
     run = lambda: step(wl.meta, wl.cache.tensors)  # noqa: E731
-    with phase("compile" if mode != "eager" else "make step", announce=False):
+    with phase("make step", announce=False):  # compiling is lazy: the first step compiles
         step = make_step(wl.model, mode, args)
     with torch.no_grad(), dynamic_shape_config():
         with phase("first step" + (" (compiles)" if mode != "eager" else "")) as first:
