@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 import os
 import sys
@@ -28,7 +27,6 @@ if "--smoke" in sys.argv:  # CPU dry run of the script itself (tiny shapes, Trit
 
 import torch  # noqa: E402
 import triton  # noqa: E402
-import triton.testing  # noqa: E402
 
 from minidi.model.moe import dequant_expert_stack, grouped_mm  # noqa: E402
 from minidi.ops.fp4_grouped_gemm import (  # noqa: E402
@@ -40,6 +38,11 @@ from minidi.ops.fp4_grouped_gemm import (  # noqa: E402
 )
 from minidi.ops.fp4_grouped_gemm_configs import (  # noqa: E402
     SS_EP1, SS_EP4, SWAP1WG_EP1, SWAP1WG_EP4, SWAP2WG_EP1, SWAP2WG_EP4)
+
+if __package__:  # python -m bench.bench_fp4_grouped_gemm, the tests
+    from . import common  # noqa: E402
+else:  # python bench/bench_fp4_grouped_gemm.py: the script's folder is sys.path[0]
+    import common  # noqa: E402
 
 C = Fp4GemmConfig
 SWEEP = {  # rows per expert >= 160 (EP4) / < 160 (EP1); "short" is the default, "full" adds the rest
@@ -73,24 +76,7 @@ SMOKE = False
 
 
 def bench_ms(fn) -> float:
-    if SMOKE:
-        t = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t) * 1e3
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
-
-
-def peaks() -> dict:
-    if SMOKE:
-        return {"bf16_tflops": math.nan, "copy_gbps": math.nan}
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    tflops = 2 * 8192**3 / bench_ms(lambda: a @ b) / 1e9
-    src = torch.empty(2**30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    gbps = 2 * src.numel() / bench_ms(lambda: dst.copy_(src)) / 1e6
-    del a, b, src, dst
-    return {"bf16_tflops": tflops, "copy_gbps": gbps}
+    return common.op_ms(fn, "cuda", SMOKE)
 
 
 def make_counts(e: int, rows: int, dist: str, gen: torch.Generator) -> torch.Tensor:
@@ -117,9 +103,9 @@ def check(out: torch.Tensor, ref: torch.Tensor) -> dict:
 
 
 def result(ms: float, flops: float, nbytes: float, pk: dict) -> dict:
-    tf = flops / ms / 1e9
-    return {"ms": ms, "tflops": tf, "pct_peak": 100 * tf / pk["bf16_tflops"],
-            "gbps_min_bytes": nbytes / ms / 1e6, "pct_copy_bw": 100 * nbytes / ms / 1e6 / pk["copy_gbps"]}
+    tf, pct = common.rate(ms, flops, "TFLOP/s", pk)
+    gbps, pct_bw = common.rate(ms, nbytes, "GB/s", pk)
+    return {"ms": ms, "tflops": tf, "pct_peak": pct, "gbps_min_bytes": gbps, "pct_copy_bw": pct_bw}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -136,10 +122,10 @@ def main(argv: list[str] | None = None) -> dict:
     t_start = time.perf_counter()
     torch.manual_seed(args.seed)
     gen = torch.Generator().manual_seed(args.seed)
-    pk = peaks()
-    dev = "cpu (smoke)" if SMOKE else torch.cuda.get_device_name()
-    print(f"fp4_grouped_mm bench | {dev} | torch {torch.__version__} | triton {triton.__version__} | "
-          f"peaks: bf16 {pk['bf16_tflops']:.0f} TFLOP/s, copy {pk['copy_gbps']:.0f} GB/s")
+    pk = common.measure_peaks(device)
+    dev = "cpu (smoke)" if SMOKE else common.device_name(device)
+    common.say(f"fp4_grouped_mm bench | {dev} | torch {torch.__version__} | triton {triton.__version__} | "
+               f"peaks: bf16 {pk['bf16_tflops']:.0f} TFLOP/s, copy {pk['copy_gbps']:.0f} GB/s")
     naive_compiled = torch.compile(lambda x, wp, ws, offs: grouped_mm(x, dequant_expert_stack(wp, ws, x.dtype), offs),
                                    backend="aot_eager" if SMOKE else "inductor")
     shapes = ((("EP4", 4, 40), ("EP1", 8, 8)), (("w13", 96, 128), ("w2", 64, 192))) if SMOKE else (
@@ -147,7 +133,7 @@ def main(argv: list[str] | None = None) -> dict:
     cases = []
     hdr = (f"{'case':<26} {'variant':<40} {'ms':>8} {'TFLOP/s':>8} {'%peak':>6} {'GB/s*':>7} {'x naive':>8} "
            f"{'x comp':>7}")
-    print(hdr + "\n" + "-" * len(hdr))
+    common.say(hdr + "\n" + "-" * len(hdr))
     for ep, e, rows in shapes[0]:
         for path, n, k in shapes[1]:
             wp = torch.randint(-128, 128, (e, n, k // 2), dtype=torch.int8, device=device)
@@ -224,10 +210,10 @@ def main(argv: list[str] | None = None) -> dict:
                 for i, (vname, v) in enumerate(rows_out):
                     label = f"{name} (floor {case['floor_ms']:.2f})" if i == 0 else ""
                     if "ms" not in v:
-                        print(f"{label:<26} {vname:<40} {v.get('error', '')[:60]}")
+                        common.say(f"{label:<26} {vname:<40} {v.get('error', '')[:60]}")
                         continue
-                    print(f"{label:<26} {vname:<40} {v['ms']:8.3f} {v['tflops']:8.1f} {v['pct_peak']:6.1f} "
-                          f"{v['gbps_min_bytes']:7.0f} {nv / v['ms']:8.2f} {cp / v['ms']:7.2f}")
+                    common.say(f"{label:<26} {vname:<40} {v['ms']:8.3f} {v['tflops']:8.1f} {v['pct_peak']:6.1f} "
+                               f"{v['gbps_min_bytes']:7.0f} {nv / v['ms']:8.2f} {cp / v['ms']:7.2f}")
                 del x, ref, out
             del wp, ws, w_bf16
             if not SMOKE:
@@ -241,15 +227,13 @@ def main(argv: list[str] | None = None) -> dict:
                 key = f"{c['ep']}_{c['path']}"
                 if key not in best or s["ms"] < best[key]["ms"]:
                     best[key] = {"config": s["config"], "ms": s["ms"], "tflops": s["tflops"]}
-    print("GB/s* = minimal bytes / time; x naive / x comp = speedup over naive eager / naive compiled")
-    print("best sweep configs: " + ", ".join(f"{k} {v['config']} {v['tflops']:.0f} TFLOP/s" for k, v in best.items()))
+    common.say("GB/s* = minimal bytes / time; x naive / x comp = speedup over naive eager / naive compiled")
+    common.say("best sweep configs: "
+               + ", ".join(f"{k} {v['config']} {v['tflops']:.0f} TFLOP/s" for k, v in best.items()))
     res = {"bench": "fp4_grouped_gemm", "device": dev, "torch": torch.__version__, "triton": triton.__version__,
            "peaks": pk, "summary": summary, "best_sweep": best, "cases": cases,
            "wall_s": time.perf_counter() - t_start}
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(res, f, indent=1)
-    print(json.dumps(res))
+    common.emit_json(res, out=args.out)
     return res
 
 

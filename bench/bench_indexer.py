@@ -18,11 +18,9 @@ Prints a card, tables, and as the LAST line one JSON object.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 import torch
-import triton
 
 from minidi.ops.indexer_score import (
     _launch_cand,
@@ -32,6 +30,11 @@ from minidi.ops.indexer_score import (
     indexer_score_ref,
 )
 from minidi.ops.topk import _launch_topk
+
+if __package__:  # python -m bench.bench_indexer, the tests
+    from . import common
+else:  # python bench/bench_indexer.py: the script's folder is sys.path[0]
+    import common
 
 T, H, D, N, K, PREFIX = 4096, 32, 128, 131072, 512, 126976
 CB, BS = 2048, 8
@@ -59,39 +62,14 @@ TOPK_CONFIGS = {  # NS chunks per row (CH = N / NS columns each), CAP candidates
 
 def timed(fn, rep: int = 100) -> float:
     """Median ms with triton's do_bench (L2 flushed between runs); one wall-clock run in --smoke mode."""
-    if DEV == "cpu":
-        t = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t) * 1e3
-    return triton.testing.do_bench(fn, warmup=10, rep=rep, return_mode="median")
+    return common.op_ms(fn, DEV, do_bench_ms=(10, rep))
 
 
 def timed_slow(fn, n: int = 3) -> float:
-    """Median ms of n runs after one warm-up (for the 20-200 ms plain paths)."""
+    """Median ms of n runs after one warm-up, CUDA events (for the 20-200 ms plain paths); one run in --smoke."""
     if DEV == "cpu":
         return timed(fn)
-    fn()
-    ts = []
-    for _ in range(n):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        ts.append(a.elapsed_time(b))
-    return sorted(ts)[len(ts) // 2]
-
-
-def measure_peaks() -> dict:
-    m, c = (8192, 1 << 28) if DEV == "cuda" else (256, 1 << 20)
-    a = torch.randn(m, m, device=DEV, dtype=torch.bfloat16)
-    ms = timed(lambda: a @ a)
-    x = torch.empty(c, device=DEV, dtype=torch.float32)  # 1 GiB on the GPU
-    y = torch.empty_like(x)
-    ms_c = timed(lambda: y.copy_(x))
-    del a, x, y
-    free()
-    return dict(bf16_tflops=2 * m**3 / ms / 1e9, copy_gbs=2 * 4 * c / ms_c / 1e6)
+    return common.median_ms(fn, DEV, warmup=1, repeats=n, flush_l2=False)
 
 
 def free() -> None:
@@ -149,8 +127,9 @@ def main() -> None:
     parts = set(args.only.split(","))
     t_start = time.time()
     torch.manual_seed(0)
-    dev = torch.cuda.get_device_name() if DEV == "cuda" else "cpu (interpreter smoke)"
-    peaks = measure_peaks()
+    dev = common.device_name(DEV) if DEV == "cuda" else "cpu (interpreter smoke)"
+    peaks = common.measure_peaks(DEV)
+    free()
     flops = 2 * T * H * D * N
     ke = PREFIX + torch.arange(T, device=DEV) + 1
     ks = torch.zeros(T, dtype=torch.long, device=DEV)
@@ -159,32 +138,32 @@ def main() -> None:
     k = torch.randn(N, D, device=DEV).bfloat16()
     w = torch.randn(T, H, device=DEV) * (D**-0.5 * H**-0.5)
     rows = torch.tensor([0, 1, T // 5, T // 2, T - 1], device=DEV)
-    print(f"device: {dev} | bf16 GEMM {peaks['bf16_tflops']:.0f} TFLOP/s | copy {peaks['copy_gbs']:.0f} GB/s")
-    print(f"shape: T {T} H {H} D {D} N {N} bf16 q/k fp32 w | k_end = {PREFIX} + t + 1 | {flops / 1e12:.2f} TFLOP "
-          f"(causal-effective {flops_causal / 1e12:.2f}) | top-{K}")
+    common.say(f"device: {dev} | bf16 GEMM {peaks['bf16_tflops']:.0f} TFLOP/s | copy {peaks['copy_gbps']:.0f} GB/s")
+    common.say(f"shape: T {T} H {H} D {D} N {N} bf16 q/k fp32 w | k_end = {PREFIX} + t + 1 | {flops / 1e12:.2f} TFLOP "
+               f"(causal-effective {flops_causal / 1e12:.2f}) | top-{K}")
     res = dict(op="indexer", device=dev, peaks=peaks, shape=dict(T=T, H=H, D=D, N=N, K=K, prefix=PREFIX),
                tflop=flops / 1e12, tflop_causal=flops_causal / 1e12, checks={}, score={}, topk={}, cand={})
     pk = peaks["bf16_tflops"]
 
     def row(name, ms, work, unit, base=None, note=""):
         """work: FLOPs (unit TFLOP/s) or bytes (unit GB/s); base: ms of the path to compare with."""
-        rate = work / ms / (1e9 if unit == "TFLOP/s" else 1e6)
-        pct = 100 * rate / (pk if unit == "TFLOP/s" else peaks["copy_gbs"])
+        rate, pct = common.rate(ms, work, unit, peaks)
         sp = f"{base / ms:7.2f}x" if base else "        "
-        print(f"  {name:<34} {ms:9.3f} ms {rate:9.1f} {unit:<8} {pct:5.1f}% {sp}  {note}")
+        common.say(f"  {name:<34} {ms:9.3f} ms {rate:9.1f} {unit:<8} {pct:5.1f}% {sp}  {note}")
 
     # ------------------------------------------------------------------------------------------------ scores
     scores, cmax = _launch_score(q, k, w, ks, ke, torch.float32, True)
     cmax_chunk = default_score_config(H, q.dtype)["BN"]
     if "score" in parts:
-        print("\nscore [T, N] fp32 (TFLOP/s over the full N; % of the measured bf16 peak; speed-up vs compiled plain)")
+        common.say("\nscore [T, N] fp32 (TFLOP/s over the full N; % of the measured bf16 peak; speed-up vs compiled "
+                   "plain)")
         e_ours = err_vs_f64(scores, q, k, w, ks, ke, rows)
         plain = plain_scores(plain_chunk, q, k, w, ks, ke)
         e_plain = err_vs_f64(plain, q, k, w, ks, ke, rows)
         res["checks"].update(score_rel_err=e_ours, plain_bf16_rel_err=e_plain, score_ok=e_ours <= e_plain,
                              inf_pattern_ok=bool(torch.equal(torch.isinf(scores), torch.isinf(plain))))
-        print(f"  check: max rel err vs float64 ours {e_ours:.2e} | plain bf16 path {e_plain:.2e} | "
-              f"-inf pattern equal: {res['checks']['inf_pattern_ok']}")
+        common.say(f"  check: max rel err vs float64 ours {e_ours:.2e} | plain bf16 path {e_plain:.2e} | "
+                   f"-inf pattern equal: {res['checks']['inf_pattern_ok']}")
         del plain
         free()
         ms_eager = timed_slow(lambda: plain_scores(plain_chunk, q, k, w, ks, ke))
@@ -198,7 +177,7 @@ def main() -> None:
                 res["score"]["compile_s"] = time.time() - tc
                 ms_comp = timed_slow(lambda: plain_scores(comp, q, k, w, ks, ke))
             except Exception as e:  # report, keep going
-                print(f"  torch.compile failed: {type(e).__name__}: {str(e)[:200]}")
+                common.say(f"  torch.compile failed: {type(e).__name__}: {str(e)[:200]}")
         res["score"]["plain_compiled_ms"] = ms_comp
         free()
         row("plain eager (chunk 256)", ms_eager, flops, "TFLOP/s", ms_comp)
@@ -217,7 +196,7 @@ def main() -> None:
                     f"ok={ok} regs {info.get('n_regs')} spills {info.get('n_spills')} smem {info.get('shared')}")
             except Exception as e:
                 rec = dict(ok=False, error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200])
-                print(f"  {name:<34} FAILED {rec['error']}")
+                common.say(f"  {name:<34} FAILED {rec['error']}")
             res["score"]["configs"][name] = rec
             free()
         for name, extra in (("default + chunk maxima (fused top-k)", dict(want_cmax=True)),
@@ -237,7 +216,7 @@ def main() -> None:
     # ------------------------------------------------------------------------------------------------ top-k
     if "topk" in parts:
         sbytes = T * N * 4
-        print(f"\ntop-{K} of [T, N] (GB/s = one read of the fp32 scores / time; % of the measured copy bandwidth)")
+        common.say(f"\ntop-{K} of [T, N] (GB/s = one read of the fp32 scores / time; % of the measured copy bandwidth)")
         ref = torch.topk(scores, K, dim=1).indices
         ref = torch.where(torch.gather(scores, 1, ref) > float("-inf"), ref, -1)
         ms_t32 = timed(lambda: torch.topk(scores, K, dim=1))
@@ -246,8 +225,9 @@ def main() -> None:
         res["topk"].update(torch_fp32_ms=ms_t32, torch_bf16_ms=ms_t16)
         v16 = torch.topk(s16, K, dim=1).values[:, -1:]
         res["topk"]["bf16_ties_at_kth"] = (s16 == v16).sum(1).float().mean().item()
-        print(f"  scores sharing the {K}th value: bf16 {res['topk']['bf16_ties_at_kth']:.1f} per row "
-              f"(fp32: {(scores == torch.topk(scores, K, dim=1).values[:, -1:]).sum(1).float().mean().item():.2f})")
+        ties32 = (scores == torch.topk(scores, K, dim=1).values[:, -1:]).sum(1).float().mean().item()
+        common.say(f"  scores sharing the {K}th value: bf16 {res['topk']['bf16_ties_at_kth']:.1f} per row "
+                   f"(fp32: {ties32:.2f})")
         row("torch.topk fp32", ms_t32, sbytes, "GB/s", ms_t32)
         row("torch.topk bf16", ms_t16, sbytes / 2, "GB/s", ms_t32)
         # how tight the bound is: chunks of 64 (NS 2048 at this N, and the score kernel's key block)
@@ -258,8 +238,8 @@ def main() -> None:
             act = (cm_ >= lb).sum(1).float()
             res["topk"][f"bound_chunk{ch}"] = dict(cand_mean=cnt.mean().item(), cand_max=cnt.max().item(),
                                                    active_chunks_mean=act.mean().item())
-            print(f"  bound, chunks of {ch:>3}: candidates per row mean {cnt.mean().item():.0f} max "
-                  f"{cnt.max().item():.0f} (CAP 4096) | active chunks {act.mean().item():.0f} of {N // ch}")
+            common.say(f"  bound, chunks of {ch:>3}: candidates per row mean {cnt.mean().item():.0f} max "
+                       f"{cnt.max().item():.0f} (CAP 4096) | active chunks {act.mean().item():.0f} of {N // ch}")
         res["topk"]["configs"] = {}
         variants = [(n, {**c, **SMOKE_TOPK}, scores, None, 0) for n, c in TOPK_CONFIGS.items()]
         variants += [("fused bound (chunk maxima from score)", dict(SMOKE_TOPK), scores, cmax, cmax_chunk),
@@ -276,7 +256,7 @@ def main() -> None:
                     f"spills {info.get('n_spills')} bound {info.get('bound')}")
             except Exception as e:
                 rec = dict(error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200])
-                print(f"  {name:<34} FAILED {rec['error']}")
+                common.say(f"  {name:<34} FAILED {rec['error']}")
             res["topk"]["configs"][name] = rec
         d = res["topk"]["configs"].get("default NS2048 tile2048 w8", {})
         res["checks"]["topk_overlap"] = d.get("overlap")
@@ -290,14 +270,14 @@ def main() -> None:
             plain_e2e = res["score"].get("plain_compiled_ms", float("nan")) + ms_t32
             res["indexer_topk_ms"] = e2e
             res["plain_compiled_plus_torch_topk_ms"] = plain_e2e
-            print(f"  indexer_topk (score + chunk maxima, fused-bound top-k): {e2e:.2f} ms vs plain compiled + "
-                  f"torch.topk {plain_e2e:.2f} ms ({plain_e2e / e2e:.2f}x)")
+            common.say(f"  indexer_topk (score + chunk maxima, fused-bound top-k): {e2e:.2f} ms vs plain compiled + "
+                       f"torch.topk {plain_e2e:.2f} ms ({plain_e2e / e2e:.2f}x)")
         del s16
 
     # ------------------------------------------------------------------------------------------------ candidates
     if "cand" in parts:
         cflops = 2 * T * H * D * CB * BS
-        print(f"\ncandidate scoring: {CB} blocks x {BS} = {CB * BS} keys per query, {cflops / 1e12:.2f} TFLOP")
+        common.say(f"\ncandidate scoring: {CB} blocks x {BS} = {CB * BS} keys per query, {cflops / 1e12:.2f} TFLOP")
         nb = N // BS
         cand = (torch.rand(T, nb, device=DEV).argsort(dim=1)[:, :CB]).int()  # [T, C] distinct random blocks
         cand = torch.minimum(cand, ((ke - 1) // BS)[:, None].int())  # visible blocks (duplicates allowed)
@@ -306,7 +286,7 @@ def main() -> None:
         fin = torch.isfinite(sr)
         e = ((s_c[rows] - sr)[fin].abs().max() / sr[fin].abs().max()).item()
         res["checks"].update(cand_rel_err=e, cand_idx_ok=bool(torch.equal(kidx[rows], kr)))
-        print(f"  check: rel err vs fp32 reference {e:.2e}, key indices equal: {res['checks']['cand_idx_ok']}")
+        common.say(f"  check: rel err vs fp32 reference {e:.2e}, key indices equal: {res['checks']['cand_idx_ok']}")
         dense_ms = res["score"].get("configs", {}).get("default 64x128 w4 s3", {}).get("ms")
         for name, cfg in (("default BC128 w4 s3", {}), ("BC64 w4 s3", dict(BC=64)), ("BC256 w8 s3",
                           dict(BC=256, num_warps=8)), ("BC128 w4 s4", dict(num_stages=4))):
@@ -318,19 +298,15 @@ def main() -> None:
                 row(name, ms, cflops, "TFLOP/s", dense_ms, f"regs {info.get('n_regs')} (x = vs dense kernel)")
             except Exception as ex:
                 res["cand"][name] = dict(error=f"{type(ex).__name__}: {str(ex)[:200]}")
-                print(f"  {name:<34} FAILED {res['cand'][name]['error']}")
+                common.say(f"  {name:<34} FAILED {res['cand'][name]['error']}")
         s16k = s_c
         ms = timed(lambda: _launch_topk(s16k, K, **SMOKE_TOPK))
         res["cand"]["topk_over_candidates_ms"] = ms
         row(f"top-{K} over [T, {CB * BS}] candidates", ms, T * CB * BS * 4, "GB/s")
 
     res["wall_s"] = time.time() - t_start
-    print(f"\nchecks: {res['checks']} | wall {res['wall_s']:.0f} s")
-    line = json.dumps(res)
-    if args.out:
-        with open(args.out, "w") as fh:
-            fh.write(line + "\n")
-    print(line)
+    common.say(f"\nchecks: {res['checks']} | wall {res['wall_s']:.0f} s")
+    common.emit_json(res, out=args.out)
 
 
 if __name__ == "__main__":

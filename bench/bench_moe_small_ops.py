@@ -23,12 +23,12 @@ Prints a card, a table per op, and as the LAST line one JSON object.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 import torch
 import torch.nn.functional as F
 import triton
+import triton.testing
 
 from minidi.model.moe import dequant_expert_stack, gate_logits_fp32, moe_combine_naive, swiglu_clipped
 from minidi.model.quant import fq8
@@ -38,62 +38,29 @@ from minidi.ops import moe_activation as h_op
 from minidi.ops import moe_combine as c_op
 from minidi.ops import moe_gather as i_op
 
+if __package__:  # python -m bench.bench_moe_small_ops, the tests
+    from . import common
+else:  # python bench/bench_moe_small_ops.py: the script's folder is sys.path[0]
+    import common
+
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 FAILURES: list[str] = []  # accuracy failures, reported after all tables (one run shows every number)
-
-
-def timed(fn, smoke: bool) -> float:
-    """Median ms (triton do_bench, L2 flushed between runs); one wall-clock run in smoke mode."""
-    if smoke or DEV == "cpu":
-        t = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t) * 1e3
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
 def timed_graph(fn, smoke: bool) -> float:
     """Median ms of ``fn`` replayed from a CUDA graph (no CPU launch gaps: what a compiled, graphed step sees)."""
     if smoke or DEV == "cpu":
-        return timed(fn, smoke)
+        return common.op_ms(fn, DEV, smoke)
     try:
         return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
     except Exception as exc:  # capture can fail on some stacks: report it, keep going
-        print(f"  (CUDA graph timing failed: {type(exc).__name__}: {exc})")
+        common.say(f"  (CUDA graph timing failed: {type(exc).__name__}: {exc})")
         return float("nan")
 
 
 def free_cache() -> None:
     if DEV == "cuda":
         torch.cuda.empty_cache()
-
-
-def peaks(smoke: bool) -> dict:
-    n = 256 if smoke else 8192
-    a = torch.randn(n, n, device=DEV, dtype=torch.bfloat16)
-    b = torch.randn(n, n, device=DEV, dtype=torch.bfloat16)
-    ms = timed(lambda: a @ b, smoke)
-    src = torch.empty(2**20 if smoke else 2**30, dtype=torch.uint8, device=DEV)
-    dst = torch.empty_like(src)
-    ms_c = timed(lambda: dst.copy_(src), smoke)
-    del a, b, src, dst
-    return {"bf16_tflops": 2 * n**3 / ms / 1e9, "copy_gbs": 2 * 2**(20 if smoke else 30) / ms_c / 1e6}
-
-
-def row(table: list, name: str, ms: float, amount: float, unit: str, peak: float, base: dict, **extra) -> None:
-    rate = amount / ms / 1e6 if unit == "GB/s" else amount / ms / 1e9  # bytes -> GB/s, flop -> TFLOP/s
-    r = {"name": name, "ms": round(ms, 4), unit: round(rate, 1), "pct_peak": round(100 * rate / peak, 1)}
-    for k, v in base.items():
-        r[f"x_vs_{k}"] = round(v / ms, 2)
-    r.update(extra)
-    table.append(r)
-
-
-def print_table(title: str, table: list) -> None:
-    print(f"\n== {title}")
-    keys = list(dict.fromkeys(k for r in table for k in r))
-    print("  ".join(f"{k:>14}" if k != "name" else f"{k:<34}" for k in keys))
-    for r in table:
-        print("  ".join(f"{str(r.get(k, '')):>14}" if k != "name" else f"{r[k]:<34}" for k in keys))
 
 
 # ---- C: combine ----------------------------------------------------------------------------------------------------
@@ -127,28 +94,28 @@ def bench_combine(pk: dict, smoke: bool) -> list:
         assert bitwise_seq, "moe_combine differs from the slot-order fp32 sum"
         del slots, seq
         base = {}
-        base["eager"] = timed(lambda: moe_combine_naive(r, order, local, k), smoke)
-        row(table, f"{tag} naive eager", base["eager"], nbytes, "GB/s", pk["copy_gbs"], {})
+        base["eager"] = common.op_ms(lambda: moe_combine_naive(r, order, local, k), DEV, smoke)
+        common.table_row(table, f"{tag} naive eager", base["eager"], nbytes, "GB/s", pk, {})
         naive_c(r, order, local, k)
-        base["compile"] = timed(lambda: naive_c(r, order, local, k), smoke)
-        row(table, f"{tag} naive torch.compile", base["compile"], nbytes, "GB/s", pk["copy_gbs"], {})
-        ms = timed(lambda: c_op.moe_combine(r, order, local, k), smoke)
-        row(table, f"{tag} minidi op (default)", ms, nbytes, "GB/s", pk["copy_gbs"], base, bitwise_naive=bitwise,
-            bitwise_slot_order=bitwise_seq, max_err=err)
+        base["compile"] = common.op_ms(lambda: naive_c(r, order, local, k), DEV, smoke)
+        common.table_row(table, f"{tag} naive torch.compile", base["compile"], nbytes, "GB/s", pk, {})
+        ms = common.op_ms(lambda: c_op.moe_combine(r, order, local, k), DEV, smoke)
+        common.table_row(table, f"{tag} minidi op (default)", ms, nbytes, "GB/s", pk, base, bitwise_naive=bitwise,
+                         bitwise_slot_order=bitwise_seq, max_err=err)
         ms = timed_graph(lambda: c_op.moe_combine(r, order, local, k), smoke)
-        row(table, f"{tag} minidi op (default, CUDA graph)", ms, nbytes, "GB/s", pk["copy_gbs"], base)
+        common.table_row(table, f"{tag} minidi op (default, CUDA graph)", ms, nbytes, "GB/s", pk, base)
         slot_row = c_op.invert_slots(order, local)
-        ms = timed(lambda: c_op.invert_slots(order, local), smoke)
-        row(table, f"{tag}   invert only", ms, t * k * 13, "GB/s", pk["copy_gbs"], {})
+        ms = common.op_ms(lambda: c_op.invert_slots(order, local), DEV, smoke)
+        common.table_row(table, f"{tag}   invert only", ms, t * k * 13, "GB/s", pk, {})
         out_buf = torch.empty(t, d, device=DEV)
         for bt, bd, nw in ((1, 1024, 4), (2, 1024, 4), (4, 1024, 8), (1, 2048, 8), (2, 2048, 8), (4, 512, 4),
                            (8, 512, 8), (1, 512, 2)):
             cfg = dict(BLOCK_T=bt, BLOCK_D=bd, num_warps=nw)
             c_op.combine_from_slots(r, slot_row, k, out_buf, **cfg)
             assert torch.equal(out_buf, out)
-            ms = timed(lambda: c_op.combine_from_slots(r, slot_row, k, out_buf, **cfg), smoke)
-            row(table, f"{tag}   kernel T{bt} D{bd} w{nw}", ms, nbytes, "GB/s", pk["copy_gbs"], base)
-    print_table("C moe_combine (bytes: local rows read + [T, D] fp32 written)", table)
+            ms = common.op_ms(lambda: c_op.combine_from_slots(r, slot_row, k, out_buf, **cfg), DEV, smoke)
+            common.table_row(table, f"{tag}   kernel T{bt} D{bd} w{nw}", ms, nbytes, "GB/s", pk, base)
+    common.print_table("C moe_combine (bytes: local rows read + [T, D] fp32 written)", table)
     return table
 
 
@@ -176,20 +143,20 @@ def bench_dequant(pk: dict, smoke: bool) -> list:
             fn(p, s, torch.bfloat16)
 
     table, base = [], {}
-    base["eager"] = timed(lambda: run_naive(dequant_expert_stack), smoke)
+    base["eager"] = common.op_ms(lambda: run_naive(dequant_expert_stack), DEV, smoke)
     free_cache()
-    row(table, "naive eager (3 stacks)", base["eager"], nbytes, "GB/s", pk["copy_gbs"], {})
+    common.table_row(table, "naive eager (3 stacks)", base["eager"], nbytes, "GB/s", pk, {})
     try:  # (CPU Inductor has no float8_e8m0fnu: smoke runs on the CPU report the error and go on)
         run_naive(naive_c)
-        base["compile"] = timed(lambda: run_naive(naive_c), smoke)
-        row(table, "naive torch.compile (3 stacks)", base["compile"], nbytes, "GB/s", pk["copy_gbs"], {})
+        base["compile"] = common.op_ms(lambda: run_naive(naive_c), DEV, smoke)
+        common.table_row(table, "naive torch.compile (3 stacks)", base["compile"], nbytes, "GB/s", pk, {})
     except Exception as exc:
         table.append({"name": "naive torch.compile (3 stacks)", "error": type(exc).__name__})
     free_cache()
-    ms = timed(lambda: [d_op.fp4_dequant(p, s) for p, s in mats.values()], smoke)
-    row(table, "minidi fp4_dequant (default, alloc)", ms, nbytes, "GB/s", pk["copy_gbs"], base)
-    ms = timed(lambda: [d_op.fp4_dequant_into(p, s, outs[n]) for n, (p, s) in mats.items()], smoke)
-    row(table, "minidi fp4_dequant_into (default)", ms, nbytes, "GB/s", pk["copy_gbs"], base)
+    ms = common.op_ms(lambda: [d_op.fp4_dequant(p, s) for p, s in mats.values()], DEV, smoke)
+    common.table_row(table, "minidi fp4_dequant (default, alloc)", ms, nbytes, "GB/s", pk, base)
+    ms = common.op_ms(lambda: [d_op.fp4_dequant_into(p, s, outs[n]) for n, (p, s) in mats.items()], DEV, smoke)
+    common.table_row(table, "minidi fp4_dequant_into (default)", ms, nbytes, "GB/s", pk, base)
     for bo, bb, nw in ((8, 256, 4), (16, 256, 8), (4, 512, 4), (8, 512, 8), (16, 128, 4), (32, 128, 8), (2, 1024, 4),
                        (4, 256, 2)):
         cfg = dict(BLOCK_O=bo, BLOCK_B=bb, num_warps=nw)
@@ -198,12 +165,12 @@ def bench_dequant(pk: dict, smoke: bool) -> list:
             for n, (p, s) in mats.items():
                 d_op.launch(p, s, outs[n], **cfg)
 
-        ms = timed(run, smoke)
-        row(table, f"  kernel O{bo} B{bb} w{nw}", ms, nbytes, "GB/s", pk["copy_gbs"], base)
+        ms = common.op_ms(run, DEV, smoke)
+        common.table_row(table, f"  kernel O{bo} B{bb} w{nw}", ms, nbytes, "GB/s", pk, base)
     p, s = mats["w2"]
     ref = dequant_expert_stack(p[-2:], s[-2:], torch.bfloat16)  # the last config wrote everything: spot-check it
     assert torch.equal(outs["w2"][-2:].view(torch.int16), ref.view(torch.int16))
-    print_table("D fp4_dequant (bytes: packed + scales read + bf16 written)", table)
+    common.print_table("D fp4_dequant (bytes: packed + scales read + bf16 written)", table)
     return table
 
 
@@ -238,21 +205,21 @@ def bench_gate(pk: dict, smoke: bool) -> list:
     for xdt, x in ((torch.bfloat16, xb), (torch.float32, x32)):
         tag = "x bf16" if xdt == torch.bfloat16 else "x fp32"
         base = {}
-        base["fp32_eager"] = timed(lambda: gate_logits_fp32(x, w), smoke)
-        row(table, f"{tag} fp32 matmul eager (naive)", base["fp32_eager"], flop, "TFLOP/s", pk["bf16_tflops"], {},
-            **quality(gate_logits_fp32(x, w), xdt))
+        base["fp32_eager"] = common.op_ms(lambda: gate_logits_fp32(x, w), DEV, smoke)
+        common.table_row(table, f"{tag} fp32 matmul eager (naive)", base["fp32_eager"], flop, "TFLOP/s", pk, {},
+                         **quality(gate_logits_fp32(x, w), xdt))
         naive_c(x, w)
-        base["compile"] = timed(lambda: naive_c(x, w), smoke)
-        row(table, f"{tag} fp32 matmul torch.compile", base["compile"], flop, "TFLOP/s", pk["bf16_tflops"], {},
-            **quality(naive_c(x, w), xdt))
+        base["compile"] = common.op_ms(lambda: naive_c(x, w), DEV, smoke)
+        common.table_row(table, f"{tag} fp32 matmul torch.compile", base["compile"], flop, "TFLOP/s", pk, {},
+                         **quality(naive_c(x, w), xdt))
         xb_ = x.bfloat16()
-        ms = timed(lambda: xb_ @ w.t(), smoke)
-        row(table, f"{tag} bf16 matmul (bf16 out)", ms, flop, "TFLOP/s", pk["bf16_tflops"], base,
-            **quality((xb_ @ w.t()).float(), xdt))
+        ms = common.op_ms(lambda: xb_ @ w.t(), DEV, smoke)
+        common.table_row(table, f"{tag} bf16 matmul (bf16 out)", ms, flop, "TFLOP/s", pk, base,
+                         **quality((xb_ @ w.t()).float(), xdt))
         torch.backends.cuda.matmul.allow_tf32 = True
-        ms = timed(lambda: x.float() @ w.float().t(), smoke)
-        row(table, f"{tag} tf32 matmul (allow_tf32)", ms, flop, "TFLOP/s", pk["bf16_tflops"], base,
-            **quality(x.float() @ w.float().t(), xdt))
+        ms = common.op_ms(lambda: x.float() @ w.float().t(), DEV, smoke)
+        common.table_row(table, f"{tag} tf32 matmul (allow_tf32)", ms, flop, "TFLOP/s", pk, base,
+                         **quality(x.float() @ w.float().t(), xdt))
         torch.backends.cuda.matmul.allow_tf32 = False
         splits = ("tf32",) if xdt == torch.bfloat16 else ("tf32", "bf16x3", "tf32x3_builtin")
         for split in splits:
@@ -261,10 +228,10 @@ def bench_gate(pk: dict, smoke: bool) -> list:
             label = split if xdt == torch.float32 else "bf16 dot"
             if not (q["rel_err"] <= 1e-5 and q["top6_match"] == 1.0):  # report at the end, after the table
                 FAILURES.append(f"gate_tf32x3 {tag} {label}: {q}")
-            ms = timed(lambda: e_op.gate_tf32x3(x, w, x_split=split), smoke)
-            row(table, f"{tag} minidi op {label} (default)", ms, flop, "TFLOP/s", pk["bf16_tflops"], base, **q)
+            ms = common.op_ms(lambda: e_op.gate_tf32x3(x, w, x_split=split), DEV, smoke)
+            common.table_row(table, f"{tag} minidi op {label} (default)", ms, flop, "TFLOP/s", pk, base, **q)
             ms = timed_graph(lambda: e_op.gate_tf32x3(x, w, x_split=split), smoke)
-            row(table, f"{tag} minidi op {label} (CUDA graph)", ms, flop, "TFLOP/s", pk["bf16_tflops"], base)
+            common.table_row(table, f"{tag} minidi op {label} (CUDA graph)", ms, flop, "TFLOP/s", pk, base)
             buf = torch.empty(t, e, device=DEV)
             sweep = GATE_SWEEP_BF16 if xdt == torch.bfloat16 else GATE_SWEEP_FP32
             for bm, bn, bk, nw, ns in sweep:
@@ -275,17 +242,17 @@ def bench_gate(pk: dict, smoke: bool) -> list:
                 except Exception as exc:  # e.g. out of shared memory for this tile: report, keep going
                     table.append({"name": name, "error": type(exc).__name__})
                     continue
-                ms = timed(lambda: e_op.launch(x, w, buf, split, **cfg), smoke)
-                row(table, name, ms, flop, "TFLOP/s", pk["bf16_tflops"], base, **quality(buf, xdt))
+                ms = common.op_ms(lambda: e_op.launch(x, w, buf, split, **cfg), DEV, smoke)
+                common.table_row(table, name, ms, flop, "TFLOP/s", pk, base, **quality(buf, xdt))
     x32w = w.float()  # fp32 weight too: the classic 3xTF32 (not the checkpoint case)
     for split in ("tf32", "tf32x3_builtin"):
         out = e_op.gate_tf32x3(x32, x32w, x_split=split)
         q = quality(out, torch.float32)
         if not (q["rel_err"] <= 1e-5 and q["top6_match"] == 1.0):
             FAILURES.append(f"gate_tf32x3 x fp32, w fp32 {split}: {q}")
-        ms = timed(lambda: e_op.gate_tf32x3(x32, x32w, x_split=split), smoke)
-        row(table, f"x fp32, w fp32 minidi op {split}", ms, flop, "TFLOP/s", pk["bf16_tflops"], {}, **q)
-    print_table("E gate_tf32x3 (FLOPs 2 T D E once; error vs float64)", table)
+        ms = common.op_ms(lambda: e_op.gate_tf32x3(x32, x32w, x_split=split), DEV, smoke)
+        common.table_row(table, f"x fp32, w fp32 minidi op {split}", ms, flop, "TFLOP/s", pk, {}, **q)
+    common.print_table("E gate_tf32x3 (FLOPs 2 T D E once; error vs float64)", table)
     return table
 
 
@@ -316,15 +283,15 @@ def bench_activation(pk: dict, smoke: bool) -> list:
         FAILURES.append(f"moe_activation: {share:.2e} of the local elements differ (within one e4m3 step: {within})")
     nbytes = n * i * 2 * 3
     table, base = [], {}
-    base["eager"] = timed(lambda: naive(g, v, ws), smoke)
-    row(table, "naive eager (all rows)", base["eager"], nbytes, "GB/s", pk["copy_gbs"], {})
+    base["eager"] = common.op_ms(lambda: naive(g, v, ws), DEV, smoke)
+    common.table_row(table, "naive eager (all rows)", base["eager"], nbytes, "GB/s", pk, {})
     naive_c(g, v, ws)
-    base["compile"] = timed(lambda: naive_c(g, v, ws), smoke)
-    row(table, "naive torch.compile (all rows)", base["compile"], nbytes, "GB/s", pk["copy_gbs"], {})
-    ms = timed(lambda: h_op.moe_activation(g, v, ws, offs, limit, block), smoke)
-    row(table, "minidi op (local rows)", ms, nbytes, "GB/s", pk["copy_gbs"], base, differ_share=share,
-        within_one_e4m3_step=within)
-    print_table("H moe_activation (bytes: local rows' g, v read + a written)", table)
+    base["compile"] = common.op_ms(lambda: naive_c(g, v, ws), DEV, smoke)
+    common.table_row(table, "naive torch.compile (all rows)", base["compile"], nbytes, "GB/s", pk, {})
+    ms = common.op_ms(lambda: h_op.moe_activation(g, v, ws, offs, limit, block), DEV, smoke)
+    common.table_row(table, "minidi op (local rows)", ms, nbytes, "GB/s", pk, base, differ_share=share,
+                     within_one_e4m3_step=within)
+    common.print_table("H moe_activation (bytes: local rows' g, v read + a written)", table)
     return table
 
 
@@ -342,14 +309,14 @@ def bench_gather(pk: dict, smoke: bool) -> list:
     naive_c = torch.compile(lambda x, idx: x[idx], dynamic=False)
     nbytes = n * d * 2 * 2
     table, base = [], {}
-    base["eager"] = timed(lambda: x[idx], smoke)
-    row(table, "x[idx] eager (all rows)", base["eager"], nbytes, "GB/s", pk["copy_gbs"], {})
+    base["eager"] = common.op_ms(lambda: x[idx], DEV, smoke)
+    common.table_row(table, "x[idx] eager (all rows)", base["eager"], nbytes, "GB/s", pk, {})
     naive_c(x, idx)
-    base["compile"] = timed(lambda: naive_c(x, idx), smoke)
-    row(table, "x[idx] torch.compile (all rows)", base["compile"], nbytes, "GB/s", pk["copy_gbs"], {})
-    ms = timed(lambda: i_op.gather_rows(x, idx, offs), smoke)
-    row(table, "minidi gather_rows (local rows)", ms, nbytes, "GB/s", pk["copy_gbs"], base)
-    print_table("I gather_rows (bytes: local rows read + written)", table)
+    base["compile"] = common.op_ms(lambda: naive_c(x, idx), DEV, smoke)
+    common.table_row(table, "x[idx] torch.compile (all rows)", base["compile"], nbytes, "GB/s", pk, {})
+    ms = common.op_ms(lambda: i_op.gather_rows(x, idx, offs), DEV, smoke)
+    common.table_row(table, "minidi gather_rows (local rows)", ms, nbytes, "GB/s", pk, base)
+    common.print_table("I gather_rows (bytes: local rows read + written)", table)
     return table
 
 
@@ -361,9 +328,9 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     dev = torch.cuda.get_device_name() if DEV == "cuda" else "cpu"
-    pk = peaks(args.smoke)
-    print(f"minidi small MoE ops | {dev} | torch {torch.__version__} | triton {triton.__version__} | "
-          f"peaks: bf16 {pk['bf16_tflops']:.0f} TFLOP/s, copy {pk['copy_gbs']:.0f} GB/s (read + write)")
+    pk = common.measure_peaks(DEV, small=args.smoke)
+    common.say(f"minidi small MoE ops | {dev} | torch {torch.__version__} | triton {triton.__version__} | "
+               f"peaks: bf16 {pk['bf16_tflops']:.0f} TFLOP/s, copy {pk['copy_gbps']:.0f} GB/s (read + write)")
     result = {"bench": "moe_small_ops", "device": dev, "torch": torch.__version__, "triton": triton.__version__,
               "peaks": {k: round(v, 1) for k, v in pk.items()}}
     parts = {"C": ("moe_combine", bench_combine), "D": ("fp4_dequant", bench_dequant), "E": ("gate_tf32x3", bench_gate),
@@ -377,13 +344,9 @@ def main(argv: list[str] | None = None) -> dict:
     if DEV == "cuda":
         result["max_mem_gb"] = round(torch.cuda.max_memory_allocated() / 1e9, 1)
     result["failures"] = FAILURES
-    line = json.dumps(result)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(line + "\n")
     for msg in FAILURES:
-        print(f"FAIL {msg}")
-    print(line)
+        common.say(f"FAIL {msg}")
+    common.emit_json(result, out=args.out)
     if FAILURES:
         raise SystemExit(1)
     return result

@@ -20,27 +20,28 @@ from __future__ import annotations
 
 import argparse
 import gzip
-import json
+import logging
 import os
-import platform
 import shutil
 import statistics
-import sys
-import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling bench modules, also under torchrun
+import minidi
+from minidi.model import stages
+from minidi.ops.fp4_grouped_gemm_configs import default_config as fp4_default_config
+from minidi.ops.fp4_grouped_gemm_configs import ptxas_version
+from minidi.runtime.engine import dynamic_shape_config
+from minidi.runtime.flops import mfu, step_flops
 
-import minidi  # noqa: E402
-from minidi.model import stages  # noqa: E402
-from minidi.ops.fp4_grouped_gemm_configs import ptxas_version, swap_tiles_enabled  # noqa: E402
-from minidi.runtime.engine import dynamic_shape_config  # noqa: E402
-from minidi.runtime.flops import mfu, step_flops  # noqa: E402
-from expert_loads import expert_loads, write_report  # noqa: E402
-from prefill_stages import format_stage_table, gpu_busy_ms_per_step, stage_ms_per_step  # noqa: E402
-from prefill_workload import FULL_SIZE, build_model, build_workload  # noqa: E402
+if __package__:  # imported as bench.bench_prefill: python -m bench.bench_prefill, the tests
+    from . import common, expert_loads, prefill_stages, prefill_workload
+else:  # run as a script (python / torchrun bench/bench_prefill.py): the script's folder is sys.path[0]
+    import common
+    import expert_loads
+    import prefill_stages
+    import prefill_workload
 
 MODES = ("eager", "compile", "passes")
 
@@ -51,7 +52,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--prefill_batch_size", type=int, default=None,
                     help="new tokens per sequence per step (default 4096 full-size, 64 tiny)")
     ap.add_argument("--cached_tokens", type=int, default=None,
-                    help="cached prefix per sequence (default 126976 full-size, 192 tiny)")
+                    help="cached prefix per sequence (default 126976 full-size, 192 tiny; 0 = none)")
     ap.add_argument("--seqs", type=int, default=1, help="sequences per step (each with its own cached prefix)")
     ap.add_argument("--modes", default=None, help="comma list of eager,compile,passes (default: all on CUDA, eager "
                     "on the CPU)")
@@ -74,7 +75,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--profile_steps", type=int, default=2, help="0 = no profile / stage table")
+    ap.add_argument("--profile_steps", type=int, default=None,
+                    help="profiled steps of the stage table, its median per stage (default 2 on a GPU, 5 on the "
+                         "CPU; 0 = no profile / stage table)")
     ap.add_argument("--no_stage_markers", action="store_true", help="time without the stage markers (no table)")
     ap.add_argument("--no_cuda_graph", action="store_true",
                     help="accepted for the reference command; minidi never captures CUDA graphs for prefill")
@@ -87,77 +90,64 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-# ---- measurement -----------------------------------------------------------------------------------------------------
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
+# ---- profile ---------------------------------------------------------------------------------------------------
+STAGE_SUM_TOLERANCE = 0.10  # the stage table's sum should be within 10 % of the timed step; the card says why if not
 
 
-def measure_peaks(device: str, dtype: torch.dtype) -> dict:
-    """bf16 (model dtype) matmul TFLOP/s and copy GB/s measured now, on this device."""
-    m, n = (8192, 1 << 28) if device.startswith("cuda") else (512, 1 << 22)
-    a = torch.randn(m, m, device=device, dtype=dtype)
-    x = torch.empty(n, device=device)
-    y = torch.empty_like(x)
-    out = {}
-    for name, fn, work in (("matmul_tflops", lambda: a @ a, 2 * m**3 / 1e12), ("copy_gbs", lambda: y.copy_(x),
-                                                                                   8 * n / 1e9)):
-        fn()
-        _sync(device)
-        times = []
-        for _ in range(10):
-            t = time.perf_counter()
-            fn()
-            _sync(device)
-            times.append(time.perf_counter() - t)
-        out[name] = float(f"{work / statistics.median(times):.4g}")
-    del a, x, y
-    return out
-
-
-def time_steps(step, wl, n: int, device: str) -> list[float]:
-    """ms of each of n steps: CUDA events on the GPU, wall clock on the CPU."""
-    out = []
-    for _ in range(n):
-        if device.startswith("cuda"):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            step(wl.meta, wl.cache.tensors)
-            b.record()
-            b.synchronize()
-            out.append(a.elapsed_time(b))
-        else:
-            t = time.perf_counter()
-            step(wl.meta, wl.cache.tensors)
-            out.append((time.perf_counter() - t) * 1e3)
-    return out
-
-
-def profile_steps(step, wl, n: int, device: str, trace_path: Path) -> tuple[dict, float | None]:
+def profile_steps(step, wl, n: int, device: str, trace_path: Path) -> tuple[dict, float | None, list[float]]:
+    """Profile ``n`` steps; returns the stage table (per category, the median over the profiled steps: one stalled
+    step does not move it), the GPU busy ms per step (CUDA) and each profiled step's stage sum (ms)."""
     acts = [torch.profiler.ProfilerActivity.CPU]
-    if device.startswith("cuda"):
+    if common.is_cuda(device):
         acts.append(torch.profiler.ProfilerActivity.CUDA)
+    ticker = common.Ticker("profiled steps", n)
     with torch.profiler.profile(activities=acts) as prof:
         for _ in range(n):
-            with torch.profiler.record_function("minidi/step"):
+            with torch.profiler.record_function(prefill_stages.STEP_RANGE):
                 step(wl.meta, wl.cache.tensors)
-            _sync(device)
+            common.sync(device)
+            ticker.tick()
     raw = trace_path.with_suffix("")  # .trace.json
     prof.export_chrome_trace(str(raw))
-    cuda = device.startswith("cuda")
-    table = stage_ms_per_step(raw, n, cuda=cuda)
-    busy = gpu_busy_ms_per_step(raw, n) if cuda else None
+    cuda = common.is_cuda(device)
+    per_step = prefill_stages.stage_ms_each_step(raw, cuda=cuda)
+    table = prefill_stages.median_table(per_step)
+    busy = prefill_stages.gpu_busy_ms_per_step(raw, n) if cuda else None
     with open(raw, "rb") as f, gzip.open(trace_path, "wb") as g:
         shutil.copyfileobj(f, g)
     raw.unlink()
-    return table, busy
+    return table, busy, [sum(t.values()) for t in per_step]
+
+
+def stage_sum_note(stage_sum: float, times: list[float], cuda: bool) -> str | None:
+    """Why the stage table's sum is more than 10 % off the median timed step, or None when it is within."""
+    step_ms = statistics.median(times)
+    ratio = stage_sum / step_ms if step_ms else float("nan")
+    if abs(ratio - 1) <= STAGE_SUM_TOLERANCE:
+        return None
+    spread = max(times) / min(times) if min(times) > 0 else float("nan")
+    if spread > 1 + STAGE_SUM_TOLERANCE:  # the timed steps disagree among themselves as much
+        why = (f"the timed steps themselves range {min(times):.2f}-{max(times):.2f} ms ({spread:.2f}x): the "
+               "machine's load varies between steps (a shared CPU), so no table can match one timed step closer")
+    elif cuda:
+        why = "device time summed over streams (overlapping kernels count twice) against event time between steps"
+    else:
+        why = ("the profiler's own cost per recorded op (a CPU step is tens of thousands of small ops), which timed "
+               "steps do not pay")
+    return f"stage sum {stage_sum:.2f} ms is {ratio:.2f}x the median timed step ({step_ms:.2f} ms): {why}"
 
 
 # ---- modes -------------------------------------------------------------------------------------------------------
+def uncompile(model) -> None:
+    """Undo an earlier mode's compile, so that each mode starts from the plain model (per-layer compile sets
+    ``Block._compiled_call_impl`` and ``model.layer_hook``)."""
+    torch._dynamo.reset()
+    minidi.uncompile(model)
+
+
 def make_step(model, mode: str, args):
     """The callable of one mode, and its pass manager / regional step (for match counts)."""
-    torch._dynamo.reset()
-    minidi.uncompile(model)  # undo an earlier mode's per-layer compile
+    uncompile(model)
     if mode == "eager":  # bounded temporaries at full size (the model's default: the whole chains compile traces)
         model.set_eager_budget()
         return model.step
@@ -177,21 +167,29 @@ def pass_matches(step) -> dict | None:
 
 def run_mode(mode: str, wl, args, card: dict, out_dir: Path) -> dict:
     cfg, device = wl.model.cfg, args.device
-    step = make_step(wl.model, mode, args)
+    phase = common.Phases(f"[{mode}] ")
+    run = lambda: step(wl.meta, wl.cache.tensors)  # noqa: E731
+    with phase("make step", announce=False):  # compiling is lazy: the first step compiles
+        step = make_step(wl.model, mode, args)
     with torch.no_grad(), dynamic_shape_config():
-        t0 = time.perf_counter()
-        logits = step(wl.meta, wl.cache.tensors)
-        _sync(device)
-        first_s = time.perf_counter() - t0
-        for _ in range(args.warmup - 1):
-            step(wl.meta, wl.cache.tensors)
-        _sync(device)
-        times = time_steps(step, wl, args.steps, device)
+        with phase("first step" + (" (compiles)" if mode != "eager" else "")) as first:
+            logits = run()
+            common.sync(device)
+        if args.warmup > 1:
+            with phase(f"warm-up ({args.warmup - 1} step{'s' * (args.warmup > 2)})"):
+                ticker = common.Ticker(f"[{mode}] warm-up steps", args.warmup - 1)
+                for _ in range(args.warmup - 1):
+                    run()
+                    common.sync(device)
+                    ticker.tick()
+        with phase(f"timing ({args.steps} steps)"):
+            times = common.step_times_ms(run, args.steps, device, common.Ticker(f"[{mode}] timed steps", args.steps))
         tag = f"{cfg.name}_{mode}_ep{cfg.ep_size}"
-        stage_table, busy, trace = {}, None, None
+        stage_table, busy, trace, step_sums = {}, None, None, []
         if args.profile_steps and not args.no_stage_markers:
             trace = out_dir / f"{tag}.trace.json.gz"
-            stage_table, busy = profile_steps(step, wl, args.profile_steps, device, trace)
+            with phase(f"profile ({args.profile_steps} steps)"):
+                stage_table, busy, step_sums = profile_steps(step, wl, args.profile_steps, device, trace)
     ms = sum(times) / len(times)
     tokens = wl.new_tokens * wl.seqs
     flops = step_flops(cfg, wl.new_tokens, wl.cached_tokens, wl.seqs)["total"]
@@ -202,13 +200,15 @@ def run_mode(mode: str, wl, args, card: dict, out_dir: Path) -> dict:
         "ms_per_step": round(ms, 3),
         "ms_per_step_median": round(statistics.median(times), 3), "ms_per_step_min": round(min(times), 3),
         "input_tok_per_s_per_gpu": round(tokens / ms * 1e3, 1),
-        "mfu": round(mfu(flops, ms, card["peaks"]["matmul_tflops"]), 4), "tflop_per_step": round(flops / 1e12, 3),
+        "mfu": round(mfu(flops, ms, card["peaks"]["bf16_tflops"]), 4), "tflop_per_step": round(flops / 1e12, 3),
         "stages_ms": {k: round(v, 3) for k, v in stage_table.items()}, "gpu_busy_ms": busy and round(busy, 3),
-        "pass_matches": pass_matches(step), "first_step_s": round(first_s, 1), "logits_finite":
+        "profile_steps": args.profile_steps, "profiled_step_sums_ms": [round(v, 3) for v in step_sums],
+        "pass_matches": pass_matches(step), "first_step_s": round(first.seconds, 1), "logits_finite":
         bool(torch.isfinite(logits).all()), "stage_markers": not args.no_stage_markers, "cuda_graph": False,
-        "trace": trace.name if trace else None,
+        "trace": trace.name if trace else None, "phases_s": {k: round(v, 1) for k, v in phase.seconds.items()},
     }
     if stage_table:
+        res["stage_sum_note"] = stage_sum_note(sum(stage_table.values()), times, common.is_cuda(device))
         res["png"] = _plot(stage_table, f"{cfg.name} {mode} EP{cfg.ep_size}: {ms:.1f} ms/step", out_dir / f"{tag}.png")
     return res
 
@@ -216,7 +216,7 @@ def run_mode(mode: str, wl, args, card: dict, out_dir: Path) -> dict:
 def failed_mode(mode: str, wl, args, card: dict, error: BaseException) -> dict:
     """The JSON line of a mode that could not run (out of memory): what was asked, the error, the memory peak."""
     peak = None
-    if args.device.startswith("cuda"):
+    if common.is_cuda(args.device):
         peak = round(torch.cuda.max_memory_allocated() / 2**30, 1)
         torch.cuda.empty_cache()
     first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
@@ -235,29 +235,43 @@ def _what_ran(mode: str, wl, args, card: dict) -> dict:
         "ep": cfg.ep_size, "new_tokens": wl.new_tokens, "cached_tokens": wl.cached_tokens, "seqs": wl.seqs,
         "steps": args.steps,
         **{k: card[k] for k in ("device", "dtype", "torch", "peaks", "shared_experts", "engram_table_rows", "gate_bias",
-                                  "ptxas", "fp4_swap_tiles")},
+                                  "ptxas", "fp4_tiles")},
     }
-
-
-def _write_line(res: dict, args) -> None:
-    line = json.dumps(res)  # written as soon as the mode is done: a later mode may run out of time
-    print(line, flush=True)
-    if args.result_jsonl:
-        with open(args.result_jsonl, "a") as f:
-            f.write(line + "\n")
 
 
 def _plot(table: dict, title: str, path: Path) -> str | None:
     try:
-        from plot_stages import plot_stage_table
+        if __package__:
+            from .plot_stages import plot_stage_table
+        else:
+            from plot_stages import plot_stage_table
 
         return plot_stage_table(table, title, path).name
     except ImportError as e:  # e.g. the GPU image has no matplotlib: render later with bench/plot_stages.py
-        print(f"(no PNG: {e}; run `python bench/plot_stages.py RESULTS.jsonl` where matplotlib is installed)")
+        common.say(f"(no PNG: {e}; run `python bench/plot_stages.py RESULTS.jsonl` where matplotlib is installed)")
         return None
 
 
+def fp4_default_tiles(device: str) -> dict[str, str] | None:
+    """The FP4 expert GEMM's default tile per regime (mean rows per expert 256 / 64: EP4- / EP1-like), on a GPU."""
+    if not common.is_cuda(device):
+        return None
+    dev = torch.device(device)
+    return {f"rows_per_expert_{rows}": fp4_default_config(rows * 96, 96, 2304, 5120, torch.bfloat16, dev).name()
+            for rows in (256, 64)}
+
+
 # ---- main ----------------------------------------------------------------------------------------------------------
+def resolve_sizes(args: argparse.Namespace) -> None:
+    """Fill the workload defaults: full-size presets 4,096 new + 126,976 cached tokens, tiny ones 64 + 192. An explicit
+    value is kept, 0 included (``--cached_tokens 0``: a prefill with no cached prefix)."""
+    full = args.model in prefill_workload.FULL_SIZE
+    if args.prefill_batch_size is None:
+        args.prefill_batch_size = 4096 if full else 64
+    if args.cached_tokens is None:
+        args.cached_tokens = 126_976 if full else 192
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), 0
@@ -268,17 +282,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
         from minidi.runtime.distributed import init_from_env
 
         rank, world = init_from_env(device=args.device)
-        if args.device.startswith("cuda"):
+        if common.is_cuda(args.device):
             args.device = f"cuda:{os.environ['LOCAL_RANK']}"
-        if rank:  # only rank 0 reports; the others run the same steps (every MoE layer needs all ranks)
+        if rank:  # only rank 0 reports (common.say); the others run the same steps (every MoE layer needs all ranks)
             args.out_dir = str(Path(args.out_dir or (Path(args.result_jsonl).parent if args.result_jsonl
                                                      else "bench_out")) / f"rank{rank}")  # their own traces
             args.result_jsonl = None
-            sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (for the life of the process)
-    full = args.model in FULL_SIZE
-    args.prefill_batch_size = args.prefill_batch_size or (4096 if full else 64)
-    args.cached_tokens = 126_976 if (args.cached_tokens is None and full) else (args.cached_tokens or 192)
-    modes = (args.modes or ("eager,compile,passes" if args.device.startswith("cuda") else "eager")).split(",")
+    resolve_sizes(args)
+    if args.profile_steps is None:
+        args.profile_steps = 2 if common.is_cuda(args.device) else 5
+    modes = (args.modes or ("eager,compile,passes" if common.is_cuda(args.device) else "eager")).split(",")
     if bad := [m for m in modes if m not in MODES]:
         raise SystemExit(f"unknown mode(s) {bad}; choose from {MODES}")
     out_dir = Path(args.out_dir or (Path(args.result_jsonl).parent if args.result_jsonl else "bench_out"))
@@ -294,52 +307,65 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
 def _run(args: argparse.Namespace, world: int, rank: int, modes: list[str], out_dir: Path) -> list[dict]:
     notes: list[str] = []
-    t0 = time.perf_counter()
-    model = build_model(args.model, args.device, args.dtype, args.emulate_ep, args.share_experts,
-                        args.engram_table_rows, args.seed, notes, world=world, rank=rank, gate_bias=args.gate_bias)
-    wl = build_workload(model, args.prefill_batch_size, args.cached_tokens, args.seqs, args.seed, notes)
+    phase = common.Phases()
+    with phase(f"build model {args.model}"):
+        model = prefill_workload.build_model(args.model, args.device, args.dtype, args.emulate_ep, args.share_experts,
+                                             args.engram_table_rows, args.seed, notes, world=world, rank=rank,
+                                             gate_bias=args.gate_bias)
+        common.sync(args.device)
+    with phase("build workload"):
+        wl = prefill_workload.build_workload(model, args.prefill_batch_size, args.cached_tokens, args.seqs, args.seed,
+                                             notes)
+        common.sync(args.device)
+    with phase("measure peaks"):
+        peaks = common.measure_peaks(args.device)
     cfg = model.cfg
     card = {
-        "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else (platform.processor() or "cpu"),
-        "dtype": cfg.dtype, "torch": torch.__version__, "peaks": measure_peaks(args.device, cfg.torch_dtype),
+        "device": common.device_name(args.device), "dtype": cfg.dtype, "torch": torch.__version__, "peaks": peaks,
         "shared_experts": any("shared by all" in n for n in notes), "engram_table_rows": model.engram_rows or 0,
-        "gate_bias": (args.gate_bias or "zero") if args.model in FULL_SIZE else "checkpoint",
-        "ptxas": ".".join(map(str, ptxas_version() or ())) or None, "fp4_swap_tiles": swap_tiles_enabled(),
+        "gate_bias": (args.gate_bias or "zero") if args.model in prefill_workload.FULL_SIZE else "checkpoint",
+        "ptxas": ".".join(map(str, ptxas_version() or ())) or None, "fp4_tiles": fp4_default_tiles(args.device),
     }
-    mem = f", {torch.cuda.memory_allocated() / 2**30:.1f} GiB allocated" if args.device.startswith("cuda") else ""
-    print(f"minidi prefill | {card['device']} ({args.device}) | peaks: {card['peaks']['matmul_tflops']} TFLOP/s "
-          f"{cfg.dtype} matmul, {card['peaks']['copy_gbs']} GB/s copy (measured now) | torch {torch.__version__}")
-    print(f"model {cfg.name} ({cfg.arch}, {cfg.n_layers} layers, dim {cfg.dim}, {cfg.n_routed_experts} experts, "
-          f"EP{cfg.ep_size}) | {cfg.dtype}, fake_quant {cfg.fake_quant} | {wl.seqs} x ({wl.cached_tokens:,} cached + "
-          f"{wl.new_tokens:,} new) tokens | built in {time.perf_counter() - t0:.1f}s{mem}")
-    if args.device.startswith("cuda"):
-        print(f"  note: ptxas {card['ptxas']}: FP4 expert GEMM tiles "
-              + ("swapped, two warpgroups (MINIDI_FP4_SWAP=1: racy with Triton 3.6, for experiments)"
-                 if card["fp4_swap_tiles"] else "swapped, one warpgroup (the race-free defaults)"))
+    mem = f", {torch.cuda.memory_allocated() / 2**30:.1f} GiB allocated" if common.is_cuda(args.device) else ""
+    common.say(f"\nminidi prefill | {card['device']} ({args.device}) | peaks: {peaks['bf16_tflops']} TFLOP/s bf16 "
+               f"matmul, {peaks['copy_gbps']} GB/s copy (measured now) | torch {torch.__version__}")
+    common.say(f"model {cfg.name} ({cfg.arch}, {cfg.n_layers} layers, dim {cfg.dim}, {cfg.n_routed_experts} experts, "
+               f"EP{cfg.ep_size}) | {cfg.dtype}, fake_quant {cfg.fake_quant} | {wl.seqs} x ({wl.cached_tokens:,} "
+               f"cached + {wl.new_tokens:,} new) tokens{mem}")
+    if card["fp4_tiles"]:
+        common.say(f"  note: ptxas {card['ptxas']}: FP4 expert GEMM default tiles "
+                   + ", ".join(f"{k.replace('_', ' ')}: {v}" for k, v in card["fp4_tiles"].items()))
     for n in notes:
-        print(f"  note: {n}")
+        common.say(f"  note: {n}")
     if not args.no_stage_markers:
-        print("  note: stage markers on (profiler ranges kept through torch.compile; --no_stage_markers to drop them)")
+        common.say("  note: stage markers on (profiler ranges kept through torch.compile; --no_stage_markers to drop "
+                   "them)")
 
     results = []
     for mode in modes:
+        common.say()
         try:
             res = run_mode(mode, wl, args, card, out_dir)
         except torch.OutOfMemoryError as e:  # recorded, and the next mode still runs
             res = failed_mode(mode, wl, args, card, e)
         if res.get("error"):
-            print(f"\n[{mode}] FAILED: {res['error']}")
-            _write_line(res, args)
+            common.say(f"[{mode}] FAILED: {res['error']}")
+            common.emit_json(res, jsonl=args.result_jsonl)
             continue
         results.append(res)
-        print(f"\n[{mode}] {res['ms_per_step']:.2f} ms/step (median {res['ms_per_step_median']:.2f}) | "
-              f"{res['input_tok_per_s_per_gpu']:,.0f} input tok/s/GPU | MFU {100 * res['mfu']:.1f}% of the measured "
-              f"peak | {res['tflop_per_step']} TFLOP/step | first step {res['first_step_s']}s"
-              + (f" | pass matches {res['pass_matches']}" if res["pass_matches"] else ""))
+        common.say(f"[{mode}] {res['ms_per_step']:.2f} ms/step (median {res['ms_per_step_median']:.2f}) | "
+                   f"{res['input_tok_per_s_per_gpu']:,.0f} input tok/s/GPU | MFU {100 * res['mfu']:.1f}% of the "
+                   f"measured peak | {res['tflop_per_step']} TFLOP/step | first step {res['first_step_s']}s"
+                   + (f" | pass matches {res['pass_matches']}" if res["pass_matches"] else ""))
         if res["stages_ms"]:
-            print(format_stage_table(res["stages_ms"], gpu_busy_ms=res["gpu_busy_ms"], wall_ms=res["ms_per_step"]))
+            common.say(f"stages, median over {args.profile_steps} profiled steps (their sums: "
+                       f"{', '.join(f'{v:.2f}' for v in res['profiled_step_sums_ms'])} ms):")
+            common.say(prefill_stages.format_stage_table(res["stages_ms"], gpu_busy_ms=res["gpu_busy_ms"],
+                       wall_ms=res["ms_per_step_median"]))
+            if res["stage_sum_note"]:
+                common.say(f"  note: {res['stage_sum_note']}")
         res["speedup_vs"] = {r["mode"]: round(r["ms_per_step"] / res["ms_per_step"], 3) for r in results[:-1]}
-        _write_line(res, args)
+        common.emit_json(res, jsonl=args.result_jsonl)  # as soon as the mode is done: a later one may run out of time
     if args.expert_loads:
         _report_expert_loads(wl, args, world, out_dir)
     if world > 1:
@@ -351,13 +377,23 @@ def _report_expert_loads(wl, args, world: int, out_dir: Path) -> None:
     """One eager step with hooks on the gates (not timed): rows per local expert, per layer (bench/expert_loads.py)."""
     step = make_step(wl.model, "eager", args)
     try:
-        report = expert_loads(wl.model, lambda: step(wl.meta, wl.cache.tensors), args.emulate_ep if world == 1 else 1)
+        with common.Phases()("expert loads (one eager step)"):
+            report = expert_loads.expert_loads(wl.model, lambda: step(wl.meta, wl.cache.tensors),
+                                               args.emulate_ep if world == 1 else 1)
     except torch.OutOfMemoryError as e:
-        print(f"\nexpert loads: not measured ({type(e).__name__})")
+        common.say(f"\nexpert loads: not measured ({type(e).__name__})")
         return
     cfg = wl.model.cfg
-    print("\n" + write_report(report, out_dir / f"{cfg.name}_ep{cfg.ep_size}_expert_loads.json"))
+    common.say("\n" + expert_loads.write_report(report, out_dir / f"{cfg.name}_ep{cfg.ep_size}_expert_loads.json"))
+
+
+def _log_minidi() -> None:
+    """minidi's own progress lines (compile phases, pass matches: logger ``minidi``, INFO) on rank 0."""
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    if common.rank() == 0:
+        logging.getLogger("minidi").setLevel(logging.INFO)
 
 
 if __name__ == "__main__":
+    _log_minidi()
     main()

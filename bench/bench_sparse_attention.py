@@ -18,15 +18,18 @@ one JSON object (``--out PATH`` writes it too).
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 import numpy as np
 import torch
-import triton
 
 from minidi.model.sparse_attention import sparse_attention_naive
 from minidi.ops.sparse_attention import encode_slots, launch
+
+if __package__:  # python -m bench.bench_sparse_attention, the tests
+    from . import common
+else:  # python bench/bench_sparse_attention.py: the script's folder is sys.path[0]
+    import common
 
 # name -> launch config (BLOCK_H is 64 at H = 64). See docs/ops/sparse_attention.md for what each one trades.
 VARIANTS = {
@@ -43,20 +46,7 @@ TOL = dict(rtol=2**-7, atol=1e-3)  # one bf16 ulp at the output's scale (|out| ~
 
 
 def bench_ms(fn) -> float:
-    return float(triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median"))
-
-
-def measure_peaks() -> dict:
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    ms = bench_ms(lambda: a @ b)
-    x = torch.empty(2**29, device="cuda", dtype=torch.bfloat16)  # 1 GiB
-    y = torch.empty_like(x)
-    ms_copy = bench_ms(lambda: y.copy_(x))
-    peaks = dict(bf16_tflops=2 * 8192**3 / ms / 1e9, copy_gbs=2 * x.numel() * 2 / ms_copy / 1e6)
-    del a, b, x, y
-    torch.cuda.empty_cache()
-    return peaks
+    return common.op_ms(fn, "cuda", do_bench_ms=(10, 60))
 
 
 def comp_picks(t: int, k: int, bound0: int, churn: int, seed: int) -> torch.Tensor:
@@ -107,15 +97,15 @@ def main() -> None:
     args = ap.parse_args()
     torch.manual_seed(0)
     t0 = time.time()
-    dev = torch.cuda.get_device_name()
-    peaks = measure_peaks()
+    dev = common.device_name("cuda")
+    peaks = common.measure_peaks("cuda")
     T, H, D, W, K = 4096, 64, 512, 128, 512
     inputs = make_inputs(T, H, D, W, K, churn=args.churn)
     flops = 4 * T * H * (W + K) * D
     key_bytes = T * (W + K) * D * 2  # rows gathered once per token
-    print(f"device: {dev} | bf16 GEMM {peaks['bf16_tflops']:.0f} TFLOP/s | copy {peaks['copy_gbs']:.0f} GB/s")
-    print(f"shape: T {T} H {H} D {D} W {W} K {K} Nw {inputs[1].shape[0]} Nc {inputs[3].shape[0]} bf16 "
-          f"| churn {args.churn} | {flops / 1e9:.1f} GFLOP | key rows {key_bytes / 1e9:.2f} GB")
+    common.say(f"device: {dev} | bf16 GEMM {peaks['bf16_tflops']:.0f} TFLOP/s | copy {peaks['copy_gbps']:.0f} GB/s")
+    common.say(f"shape: T {T} H {H} D {D} W {W} K {K} Nw {inputs[1].shape[0]} Nc {inputs[3].shape[0]} bf16 "
+               f"| churn {args.churn} | {flops / 1e9:.1f} GFLOP | key rows {key_bytes / 1e9:.2f} GB")
 
     rows = []  # (name, ms, ok, err, extra)
     result = dict(op="sparse_attention", device=dev, peaks=peaks,
@@ -176,16 +166,16 @@ def main() -> None:
             rows.append((f"{DEFAULT} (independent picks)", float("nan"), False, float("nan"), str(e)[:120]))
         del indep
 
-    print(f"\n{'path':<40} {'ms':>8} {'TFLOP/s':>8} {'%peak':>6} {'keyGB/s':>8} {'x eager':>8} {'x comp':>7}  "
-          f"{'ok':<5} {'max err':>8}  notes")
+    common.say(f"\n{'path':<40} {'ms':>8} {'TFLOP/s':>8} {'%peak':>6} {'keyGB/s':>8} {'x eager':>8} {'x comp':>7}  "
+               f"{'ok':<5} {'max err':>8}  notes")
     ms_comp = result.get("naive_compile_ms", float("nan"))
     for name, ms, ok, err, extra in rows:
         tf = flops / ms / 1e9
-        print(f"{name:<40} {ms:8.3f} {tf:8.1f} {100 * tf / peaks['bf16_tflops']:6.1f} {key_bytes / ms / 1e6:8.0f} "
-              f"{ms_eager / ms:8.2f} {ms_comp / ms:7.2f}  {str(ok):<5} {err:8.2e}  {extra}")
+        common.say(f"{name:<40} {ms:8.3f} {tf:8.1f} {100 * tf / peaks['bf16_tflops']:6.1f} {key_bytes / ms / 1e6:8.0f} "
+                   f"{ms_eager / ms:8.2f} {ms_comp / ms:7.2f}  {str(ok):<5} {err:8.2e}  {extra}")
     for name, rec in result["variants"].items():
         if rec.get("mma"):
-            print(f"  {name}: mma layouts {rec['mma']}")
+            common.say(f"  {name}: mma layouts {rec['mma']}")
     good = {n: r for n, r in result["variants"].items() if r.get("ok")}
     if good:
         best = min(good, key=lambda n: good[n]["ms"])
@@ -193,11 +183,7 @@ def main() -> None:
                       best_pct_peak=100 * good[best]["tflops"] / peaks["bf16_tflops"],
                       speedup_vs_compile=ms_comp / good[best]["ms"])
     result["wall_s"] = time.time() - t0
-    line = json.dumps(result)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(line + "\n")
-    print(line)
+    common.emit_json(result, out=args.out)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import warnings
 from dataclasses import dataclass
@@ -190,6 +191,41 @@ def stage_ms_per_step(trace: Trace, steps: int, cuda: bool) -> dict[str, float]:
     else:
         us = _cpu_stage_us(events, ranges)
     return {k: us[k] / 1e3 / steps for k in CATEGORIES}
+
+
+def stage_ms_each_step(trace: Trace, cuda: bool) -> list[dict[str, float]]:
+    """One ``{category: ms}`` table per profiled step, i.e. per ``minidi/step`` range, in time order.
+
+    CPU: each table is ``stage_ms_per_step`` of that step alone (its parts add up to the step range). CUDA: the device
+    events launched inside that step range (on any thread), attributed as in ``stage_ms_per_step``. Raises
+    ValueError when the trace has no step range.
+    """
+    events = load_events(trace)
+    steps = sorted((e for e in events if e.get("cat") == RANGE_CAT and e.get("name") == STEP_RANGE),
+                   key=lambda e: float(e["ts"]))
+    if not steps:
+        raise ValueError(f"the trace has no {STEP_RANGE} range: open `torch.profiler.record_function"
+                         f"({STEP_RANGE!r})` around each profiled step")
+    others = [e for e in events if not (e.get("cat") == RANGE_CAT and e.get("name") == STEP_RANGE)]
+    launch_ts = {(e.get("args") or {}).get("correlation"): float(e["ts"]) for e in others
+                 if e.get("cat") in LAUNCH_CATS}
+    tables = []
+    for s in steps:
+        lo, hi = float(s["ts"]), float(s["ts"]) + float(s["dur"])
+        if cuda:  # the device events of this step: those whose launch lies inside its range
+            mine = [e for e in others if e.get("cat") not in DEVICE_CATS
+                    or lo <= launch_ts.get((e.get("args") or {}).get("correlation"), -1.0) <= hi]
+        else:
+            mine = others
+        tables.append(stage_ms_per_step([s, *mine], 1, cuda))
+    return tables
+
+
+def median_table(tables: list[dict[str, float]]) -> dict[str, float]:
+    """Per category, the median over the tables (a stalled step moves no category), in the categories' order."""
+    if not tables:
+        raise ValueError("no stage tables to take the median of")
+    return {k: statistics.median(t[k] for t in tables) for k in tables[0]}
 
 
 def gpu_busy_ms_per_step(trace: Trace, steps: int) -> float:

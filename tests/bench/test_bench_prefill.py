@@ -13,6 +13,7 @@ import torch._dynamo
 
 from bench.bench_prefill import main
 from bench.prefill_workload import build_model, build_workload
+import minidi
 from minidi.model import stages
 from minidi.runtime.flops import CATEGORIES
 
@@ -214,12 +215,11 @@ def test_eager_mode_sets_the_memory_budget_and_compiled_modes_clear_it():
     make_step(model, "eager", argparse.Namespace())
     assert {b.ffn.experts.eager_budget for b in model.layers} == {b.attn.eager_budget for b in model.layers} == {
         EAGER_BUDGET_BYTES}
-    make_step(model, "compile", argparse.Namespace(passes="all", backend="aot_eager", compile_scope="layer"))
+    make_step(model, "compile", argparse.Namespace(passes="all", backend="aot_eager", compile_scope="layer",
+                                                  faithful_rounding="on"))
     assert {b.ffn.experts.eager_budget for b in model.layers} == {b.attn.eager_budget for b in model.layers} == {None}
     torch._dynamo.reset()
-    for block in model.layers:
-        block._compiled_call_impl = None
-    model.layer_hook = None
+    minidi.uncompile(model)
 
 
 def test_gate_bias_and_engram_rows_are_for_random_presets_only():
@@ -227,3 +227,40 @@ def test_gate_bias_and_engram_rows_are_for_random_presets_only():
         build_model("tiny-v41", "cpu", "float32", 1, "auto", None, 0, [], gate_bias="random")
     with pytest.raises(SystemExit, match="--gate_bias / --engram_table_rows"):
         build_model("tiny-v41", "cpu", "float32", 1, "auto", 100, 0, [])
+
+
+@pytest.mark.parametrize("cached, want", [("0", 0), ("5", 5), (None, 192)])
+def test_cached_tokens_as_given(tmp_path, monkeypatch, cached, want):
+    """``--cached_tokens 0`` is a prefill with no cached prefix (it ran 192 cached tokens: ``or 192``); no value
+    gives the tiny default. Checked on the workload the modes receive (no step is run)."""
+    import bench.bench_prefill as bp
+
+    seen = []
+
+    def record(mode, wl, *a, **kw):
+        seen.append(wl.cached_tokens)
+        raise torch.OutOfMemoryError("stop here")  # recorded as a failed mode: nothing is run
+
+    monkeypatch.setattr(bp, "run_mode", record)
+    argv = ["--model", "tiny-v41", "--device", "cpu", "--prefill_batch_size", "8", "--out_dir", str(tmp_path)]
+    main(argv + (["--cached_tokens", cached] if cached is not None else []))
+    assert seen == [want]
+
+
+def test_phase_lines_and_median_stage_table(eager, capsys):
+    """The run's phases are reported with their seconds; the stage table is the median over the profiled steps and
+    the line says how far its sum is from the timed step (or nothing when within 10 %)."""
+    res = eager[2][0]
+    assert set(res["phases_s"]) >= {"make step", "first step", "timing (1 steps)", "profile (1 steps)"}
+    assert res["profile_steps"] == 1 and len(res["profiled_step_sums_ms"]) == 1
+    assert sum(res["stages_ms"].values()) == pytest.approx(res["profiled_step_sums_ms"][0], abs=0.01)
+    assert "stage_sum_note" in res
+
+
+def test_stage_sum_note():
+    from bench.bench_prefill import stage_sum_note
+
+    assert stage_sum_note(105.0, [100.0, 101.0], cuda=False) is None
+    assert "profiler's own cost" in stage_sum_note(200.0, [100.0, 101.0], cuda=False)
+    assert "range 50.00-150.00 ms" in stage_sum_note(300.0, [50.0, 100.0, 150.0], cuda=False)
+    assert "streams" in stage_sum_note(150.0, [100.0], cuda=True)

@@ -215,3 +215,37 @@ def test_real_cpu_profile(markers_on, tmp_path, capsys):
     assert sum(got.values()) == pytest.approx(step_ms)
     assert main([str(path), "--steps", "2"]) == 0
     assert "other_attention" in capsys.readouterr().out
+
+
+def test_each_step_and_median_cpu():
+    """One table per step range; each adds up to its own step; the median per category ignores one stalled step."""
+    from bench.prefill_stages import median_table, stage_ms_each_step
+
+    trace = _cpu_trace()
+    tables = stage_ms_each_step(trace, cuda=False)
+    assert [sum(t.values()) for t in tables] == pytest.approx([1.0, 0.6])  # the two step ranges, in time order
+    assert tables[1]["other_attention"] == pytest.approx(0.1) and tables[1]["moe"] == 0.0
+    assert tables[0] == pytest.approx(stage_ms_per_step({"traceEvents": _cpu_trace()["traceEvents"][:6]}, 1, False))
+    stalled = [{"moe": 1.0, "indexer": 2.0}, {"moe": 9.0, "indexer": 2.0}, {"moe": 1.2, "indexer": 2.2}]
+    assert median_table(stalled) == {"moe": 1.2, "indexer": 2.0}
+    with pytest.raises(ValueError, match="no stage tables"):
+        median_table([])
+
+
+def test_each_step_cuda_by_launch_time():
+    """CUDA: a step's table holds the device events launched inside its range (launch 8 is after the step)."""
+    from bench.prefill_stages import stage_ms_each_step
+
+    (table,) = stage_ms_each_step(_cuda_trace(), cuda=True)
+    whole = stage_ms_per_step(_cuda_trace(), steps=1, cuda=True)
+    assert table["hc_norm_other"] == pytest.approx(whole["hc_norm_other"] - (5 + 1) / 1e3)  # launch 8, no launch
+    assert {k: v for k, v in table.items() if k != "hc_norm_other"} == pytest.approx(
+        {k: v for k, v in whole.items() if k != "hc_norm_other"})
+
+
+def test_each_step_needs_step_ranges():
+    from bench.prefill_stages import stage_ms_each_step
+
+    trace = {"traceEvents": [e for e in _cpu_trace()["traceEvents"] if e["name"] != "minidi/step"]}
+    with pytest.raises(ValueError, match="minidi/step"):
+        stage_ms_each_step(trace, cuda=False)
