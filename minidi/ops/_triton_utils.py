@@ -45,6 +45,15 @@ def mma(a, b, acc, IEEE: tl.constexpr, INTERPRET: tl.constexpr):
 
 
 @triton.jit
+def round_bf16(x):
+    """fp32 -> the nearest bf16 value (ties to even), kept in fp32 storage; by bit arithmetic, because the
+    interpreter's fp32 -> bf16 cast truncates. NaN stays NaN."""
+    bits = x.to(tl.int32, bitcast=True)
+    r = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+    return tl.where(x != x, x, r)
+
+
+@triton.jit
 def local_row_count(offs_ptr, E, R):
     """Rows below offs[E-1] (this rank's experts' rows, sorted first), clamped to [0, R]; read on the device."""
     return tl.minimum(tl.maximum(tl.load(offs_ptr + E - 1), 0), R)

@@ -36,11 +36,15 @@ K 2,304) alike: 2 R N K = 0.580 TFLOP per GEMM (0.74 ms at 785 TFLOP/s). Bytes =
 EP1 (384 experts x 64 rows) 2.77 GB (0.65 ms) -> weight streaming and compute both near the 0.74 ms floor.
 
 Legend: R rows (sorted by expert), E experts, N output columns, K input columns, BM/BN/BK tile sizes.
+
+(Over ~350 lines on purpose: the kernel, its two decodes and the launch with its config fallback are one unit; the
+configs and their choice already live apart, in fp4_grouped_gemm_configs.py.)
 """
 
 from __future__ import annotations
 
 import warnings
+
 import torch
 import triton
 import triton.language as tl
@@ -289,7 +293,8 @@ def launch(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor, offs:
         r, n, k, e, progs,
         x.stride(0), w_packed.stride(0), w_packed.stride(1), w_scale.stride(0), w_scale.stride(1), out.stride(0),
         BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, E_POW2=e_pow2, SWAP=cfg.swap, DECODE=DECODES.index(cfg.decode),
-        EVEN_K=even_k, SCALE32=scale32, IS_FP32=x.dtype == torch.float32, INTERPRET=interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        EVEN_K=even_k, SCALE32=scale32, IS_FP32=x.dtype == torch.float32, INTERPRET=interpreting(),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 _GOOD: set[tuple] = set()  # (config, dtype, device type) that compiled and launched

@@ -46,7 +46,7 @@ import triton.language as tl
 
 from minidi.formats import E4M3_MAX, pow2_ceil
 
-from ._triton_utils import cannot_run, local_row_count, resolve_backend, triton_can_run
+from ._triton_utils import cannot_run, local_row_count, resolve_backend, round_bf16, triton_can_run
 
 AMAX_FLOOR = 1e-4  # fq8's amax floor (``minidi.model.quant.fq8``)
 OUT_DTYPES = (torch.bfloat16, torch.float32)
@@ -95,15 +95,6 @@ def _pow2_ceil(y):
 
 
 @triton.jit
-def _round_bf16(x):
-    """fp32 -> the nearest bf16 value (ties to even), as fp32; by bit arithmetic, because the interpreter's cast
-    truncates. NaN stays NaN."""
-    bits = x.to(tl.int32, bitcast=True)
-    r = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
-    return tl.where(x != x, x, r)
-
-
-@triton.jit
 def _round_e4m3(y):
     """|y| <= 448 fp32 -> the nearest e4m3 value (ties to even), exact."""
     a = tl.abs(y)
@@ -135,7 +126,7 @@ def _moe_activation_kernel(
                        propagate_nan=tl.PropagateNan.ALL)
         h = g / (1.0 + tl.exp(-g)) * v * w[:, None]  # silu(g) * v * weight, fp32
         if ROUND_BF16:
-            h = _round_bf16(h)  # the model's .to(dtype)
+            h = round_bf16(h)  # the model's .to(dtype)
         if QUANT:
             amax = tl.max(tl.where(m & (h == h), tl.abs(h), 0.0), axis=1)  # [BR], over the finite values
             s = _pow2_ceil(tl.math.div_rn(tl.maximum(amax, _AMAX_FLOOR_K), _E4M3_MAX_K))  # [BR] power of two

@@ -44,7 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._triton_utils import cannot_run, interpreting, mma, num_sms, resolve_backend, triton_can_run
+from ._triton_utils import cannot_run, interpreting, mma, num_sms, resolve_backend, round_bf16, triton_can_run
 
 Q_DTYPES = (torch.bfloat16, torch.float32)
 IDX_DTYPES = (torch.int32, torch.int64)
@@ -85,9 +85,7 @@ def _round_p(e, ROUND_BF16: tl.constexpr, INTERPRET: tl.constexpr):
     """The unnormalised probabilities as PV consumes them: rounded to bf16 (nearest even) in bf16 mode."""
     if ROUND_BF16:
         if INTERPRET:  # the interpreter's fp32 -> bf16 cast truncates: round by hand, keep fp32 storage
-            u = e.to(tl.uint32, bitcast=True)
-            u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
-            return u.to(tl.float32, bitcast=True)
+            return round_bf16(e)
         else:
             return e.to(tl.bfloat16)
     else:
