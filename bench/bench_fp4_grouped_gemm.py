@@ -47,7 +47,7 @@ else:  # python bench/bench_fp4_grouped_gemm.py: the script's folder is sys.path
 C = Fp4GemmConfig
 SWEEP = {  # rows per expert >= 160 (EP4) / < 160 (EP1); "short" is the default, "full" adds the rest
     "ep4_short": [SWAP1WG_EP4,  # the op's default
-                  SWAP2WG_EP4,  # racy with Triton 3.6 (MINIDI_FP4_SWAP=1)
+                  SWAP2WG_EP4,  # racy with Triton 3.6 (experiments only: config=)
                   SS_EP4,
                   C(BM=256, BN=128, BK=64, num_warps=8, num_stages=4, swap=True, decode="asm"),
                   C(BM=256, BN=128, BK=64, num_warps=8, num_stages=3, swap=False, decode="asm"),
@@ -59,7 +59,7 @@ SWEEP = {  # rows per expert >= 160 (EP4) / < 160 (EP1); "short" is the default,
                  C(BM=128, BN=128, BK=128, num_warps=8, num_stages=3, swap=False, decode="scaled"),
                  C(BM=128, BN=128, BK=64, num_warps=4, num_stages=4, swap=True, decode="manual")],
     "ep1_short": [SWAP1WG_EP1,  # the op's default
-                  SWAP2WG_EP1,  # racy with Triton 3.6 (MINIDI_FP4_SWAP=1)
+                  SWAP2WG_EP1,  # racy with Triton 3.6 (experiments only: config=)
                   SS_EP1,
                   C(BM=64, BN=256, BK=64, num_warps=8, num_stages=4, swap=True, decode="asm"),
                   C(BM=64, BN=64, BK=128, num_warps=4, num_stages=4, swap=True, decode="asm", progs_per_sm=2),
@@ -169,16 +169,6 @@ def main(argv: list[str] | None = None) -> dict:
                 cfg = chosen_config(x, wp)  # after any fallback
                 op = {"config": cfg.name() if cfg else "?", **check(out, ref),
                       **result(bench_ms(lambda: fp4_grouped_mm(x, wp, ws, offs)), flops, nbytes, pk)}
-                # the MoE's form: tokens [R/6, K] read through rows [R] (pass D's rows=), vs gathering them first
-                tokens = torch.randn(r // 6 + 1, k, device=device, dtype=torch.bfloat16)
-                rows_idx = torch.randint(0, tokens.shape[0], (r,), device=device)
-                gathered = fp4_grouped_mm(tokens[rows_idx], wp, ws, offs)
-                base["op_rows"] = {**check(fp4_grouped_mm(tokens, wp, ws, offs, rows=rows_idx), gathered),
-                                   **result(bench_ms(lambda: fp4_grouped_mm(tokens, wp, ws, offs, rows=rows_idx)),
-                                            flops, nbytes, pk)}
-                base["gather_then_op"] = result(bench_ms(lambda: fp4_grouped_mm(tokens[rows_idx], wp, ws, offs)),
-                                                flops, nbytes, pk)
-                del tokens, rows_idx, gathered
                 case.update(op=op, **base)
                 sweep = []
                 if dist == "uniform" and args.sweep != "none":

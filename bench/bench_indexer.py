@@ -3,15 +3,14 @@
 Shape: T 4,096 new tokens, H 32 index heads, D 128, N 131,072 keys (bf16 q/k, fp32 w), causal visibility after a
 126,976-key prefix: k_end[t] = 126,976 + t + 1. FLOPs = 2 T H D N = 4.40 T counted over the full N (the
 causal-effective count, over the visible keys only, is printed beside it). Top-512 of the [T, N] scores.
-Candidate scoring (re-index layers): C 2,048 blocks x B 8 = 16,384 keys per query, 0.55 TFLOP.
 
 Paths: the plain path chunked over queries (einsum + relu + mul + sum + mask, 256 queries per chunk) eager and under
 stock torch.compile (no minidi passes); torch.topk on the fp32 and bf16 scores; minidi's kernels at their default
 config and a small sweep of configs (so one run tells what to change). Correctness at the bench shape is checked
 before timing: scores vs float64 on sampled rows (and the bf16 plain path's error on the same rows), top-512 set
-overlap vs torch.topk on the same scores, fused top-k vs standalone, candidate scores vs the reference.
+overlap vs torch.topk on the same scores, fused top-k vs standalone.
 
-Usage: python bench/bench_indexer.py [--out PATH] [--no-compile] [--only score,topk,cand]
+Usage: python bench/bench_indexer.py [--out PATH] [--no-compile] [--only score,topk]
 Prints a card, tables, and as the LAST line one JSON object.
 """
 
@@ -23,10 +22,8 @@ import time
 import torch
 
 from minidi.ops.indexer_score import (
-    _launch_cand,
     _launch_score,
     default_score_config,
-    indexer_score_candidates_ref,
     indexer_score_ref,
 )
 from minidi.ops.topk import _launch_topk
@@ -37,7 +34,6 @@ else:  # python bench/bench_indexer.py: the script's folder is sys.path[0]
     import common
 
 T, H, D, N, K, PREFIX = 4096, 32, 128, 131072, 512, 126976
-CB, BS = 2048, 8
 DEV = "cuda"
 SMOKE_TOPK = {}  # per-config overrides in --smoke mode (tiny rows on the CPU interpreter)
 SCORE_CONFIGS = {  # name: (BN, QB, num_warps, num_stages, blocks_per_prog)
@@ -114,12 +110,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None)
     ap.add_argument("--no-compile", action="store_true", help="skip stock torch.compile of the plain path")
-    ap.add_argument("--only", default="score,topk,cand")
+    ap.add_argument("--only", default="score,topk")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU interpreter (checks the script)")
     args = ap.parse_args()
-    global T, H, D, N, K, PREFIX, CB, BS, DEV
+    global T, H, D, N, K, PREFIX, DEV
     if args.smoke:
-        T, H, D, N, K, PREFIX, CB, BS, DEV = 64, 8, 32, 2048, 16, 1900, 32, 8, "cpu"
+        T, H, D, N, K, PREFIX, DEV = 64, 8, 32, 2048, 16, 1900, "cpu"
         SMOKE_TOPK.update(NS=64, CAP=128, TILE=64)
         args.no_compile = True
         for c in SCORE_CONFIGS.values():
@@ -142,7 +138,7 @@ def main() -> None:
     common.say(f"shape: T {T} H {H} D {D} N {N} bf16 q/k fp32 w | k_end = {PREFIX} + t + 1 | {flops / 1e12:.2f} TFLOP "
                f"(causal-effective {flops_causal / 1e12:.2f}) | top-{K}")
     res = dict(op="indexer", device=dev, peaks=peaks, shape=dict(T=T, H=H, D=D, N=N, K=K, prefix=PREFIX),
-               tflop=flops / 1e12, tflop_causal=flops_causal / 1e12, checks={}, score={}, topk={}, cand={})
+               tflop=flops / 1e12, tflop_causal=flops_causal / 1e12, checks={}, score={}, topk={})
     pk = peaks["bf16_tflops"]
 
     def row(name, ms, work, unit, base=None, note=""):
@@ -273,36 +269,6 @@ def main() -> None:
             common.say(f"  indexer_topk (score + chunk maxima, fused-bound top-k): {e2e:.2f} ms vs plain compiled + "
                        f"torch.topk {plain_e2e:.2f} ms ({plain_e2e / e2e:.2f}x)")
         del s16
-
-    # ------------------------------------------------------------------------------------------------ candidates
-    if "cand" in parts:
-        cflops = 2 * T * H * D * CB * BS
-        common.say(f"\ncandidate scoring: {CB} blocks x {BS} = {CB * BS} keys per query, {cflops / 1e12:.2f} TFLOP")
-        nb = N // BS
-        cand = (torch.rand(T, nb, device=DEV).argsort(dim=1)[:, :CB]).int()  # [T, C] distinct random blocks
-        cand = torch.minimum(cand, ((ke - 1) // BS)[:, None].int())  # visible blocks (duplicates allowed)
-        s_c, kidx = _launch_cand(q, k, w, cand, BS, ks, ke)
-        sr, kr = indexer_score_candidates_ref(q[rows], k, w[rows], cand[rows], BS, ks[rows], ke[rows])
-        fin = torch.isfinite(sr)
-        e = ((s_c[rows] - sr)[fin].abs().max() / sr[fin].abs().max()).item()
-        res["checks"].update(cand_rel_err=e, cand_idx_ok=bool(torch.equal(kidx[rows], kr)))
-        common.say(f"  check: rel err vs fp32 reference {e:.2e}, key indices equal: {res['checks']['cand_idx_ok']}")
-        dense_ms = res["score"].get("configs", {}).get("default 64x128 w4 s3", {}).get("ms")
-        for name, cfg in (("default BC128 w4 s3", {}), ("BC64 w4 s3", dict(BC=64)), ("BC256 w8 s3",
-                          dict(BC=256, num_warps=8)), ("BC128 w4 s4", dict(num_stages=4))):
-            info = {}
-            try:
-                _launch_cand(q, k, w, cand, BS, ks, ke, info=info, **cfg)
-                ms = timed(lambda: _launch_cand(q, k, w, cand, BS, ks, ke, **cfg))
-                res["cand"][name] = dict(ms=ms, tflops=cflops / ms / 1e9, **info, config=cfg)
-                row(name, ms, cflops, "TFLOP/s", dense_ms, f"regs {info.get('n_regs')} (x = vs dense kernel)")
-            except Exception as ex:
-                res["cand"][name] = dict(error=f"{type(ex).__name__}: {str(ex)[:200]}")
-                common.say(f"  {name:<34} FAILED {res['cand'][name]['error']}")
-        s16k = s_c
-        ms = timed(lambda: _launch_topk(s16k, K, **SMOKE_TOPK))
-        res["cand"]["topk_over_candidates_ms"] = ms
-        row(f"top-{K} over [T, {CB * BS}] candidates", ms, T * CB * BS * 4, "GB/s")
 
     res["wall_s"] = time.time() - t_start
     common.say(f"\nchecks: {res['checks']} | wall {res['wall_s']:.0f} s")

@@ -1,5 +1,5 @@
-"""Benchmark of the small MoE ops at V4.1-Flash shapes (one H200): combine (C), FP4 dequant (D), router GEMM (E),
-expert activation (H) and dispatch gather (I).
+"""Benchmark of the small MoE ops at V4.1-Flash shapes (one H200): combine (C), router GEMM (E), expert
+activation (H) and dispatch gather (I). (Pass D's FP4 decode is inside the fused GEMM: bench_fp4_grouped_gemm.py.)
 
 For each op: the plain path eager and under stock ``torch.compile`` (no minidi passes), then minidi's op at its default
 config and a small sweep of tile configs (so one run tells what to change). Correctness of the op vs the plain path is
@@ -8,15 +8,13 @@ measured in the same run.
 
   C  combine: T 4,096 x top-6 = 24,576 bf16 rows x D 5,120 -> [T, D] fp32; EP4 (experts 0..95 of 384 local, rows of
      the others NaN) and all-local. Bytes = local rows read + [T, D] fp32 written.
-  D  dequant: 96 experts x (w1, w3 [2304, 5120], w2 [5120, 2304]) FP4 + E8M0 -> bf16. Bytes = packed + scales read +
-     bf16 written.
   E  router: x [4,096, 5,120] (bf16 or fp32) @ weight [384, 5,120] bf16 -> fp32. FLOPs = 2 T D E (counted once);
      error = max|out - ref64| / max|ref64|; top6 = rows whose top-6 of sqrt(softplus) + bias equals float64's.
   H  activation: g, v [R 98,304, I 2,304] bf16 (EP4: 96 experts x 256 local rows, the rest other ranks') -> clipped
      SwiGLU x weight -> bf16 -> fq8. Bytes = the local rows' g, v read + a written (the op's minimum).
   I  gather: x [16,384, 5,120] bf16 -> x[idx] [98,304, 5,120], a quarter local. Bytes = local rows read + written.
 
-Usage: python bench/bench_moe_small_ops.py [--only C,D,E] [--out PATH]; --smoke runs tiny shapes (CPU interpreter ok).
+Usage: python bench/bench_moe_small_ops.py [--only C,E,H,I] [--out PATH]; --smoke runs tiny shapes (CPU interpreter ok).
 Prints a card, a table per op, and as the LAST line one JSON object.
 """
 
@@ -30,9 +28,8 @@ import torch.nn.functional as F
 import triton
 import triton.testing
 
-from minidi.model.moe import dequant_expert_stack, gate_logits_fp32, moe_combine_naive, swiglu_clipped
+from minidi.model.moe import gate_logits_fp32, moe_combine_naive, swiglu_clipped
 from minidi.model.quant import fq8
-from minidi.ops import fp4_dequant as d_op
 from minidi.ops import gate_tf32x3 as e_op
 from minidi.ops import moe_activation as h_op
 from minidi.ops import moe_combine as c_op
@@ -116,61 +113,6 @@ def bench_combine(pk: dict, smoke: bool) -> list:
             ms = common.op_ms(lambda: c_op.combine_from_slots(r, slot_row, k, out_buf, **cfg), DEV, smoke)
             common.table_row(table, f"{tag}   kernel T{bt} D{bd} w{nw}", ms, nbytes, "GB/s", pk, base)
     common.print_table("C moe_combine (bytes: local rows read + [T, D] fp32 written)", table)
-    return table
-
-
-# ---- D: FP4 dequant ------------------------------------------------------------------------------------------------
-def bench_dequant(pk: dict, smoke: bool) -> list:
-    e, inter, dim = (4, 96, 160) if smoke else (96, 2304, 5120)
-    torch.manual_seed(1)
-    mats = {}
-    for name, (o, i) in {"w1": (inter, dim), "w3": (inter, dim), "w2": (dim, inter)}.items():
-        packed = torch.randint(-128, 128, (e, o, i // 2), dtype=torch.int8, device=DEV)
-        scale = torch.randint(118, 130, (e, o, i // 32), dtype=torch.uint8, device=DEV).view(torch.float8_e8m0fnu)
-        mats[name] = (packed, scale)
-    nbytes = sum(p.numel() + s.numel() + 4 * p.numel() for p, s in mats.values())
-    outs = {n: torch.empty(*p.shape[:-1], 2 * p.shape[-1], device=DEV, dtype=torch.bfloat16)
-            for n, (p, s) in mats.items()}
-    for n, (p, s) in mats.items():  # correctness at the bench shape (bit-exact, one expert per matrix)
-        ref = dequant_expert_stack(p[:2], s[:2], torch.bfloat16)
-        got = d_op.fp4_dequant(p[:2], s[:2])
-        assert torch.equal(got.view(torch.int16), ref.view(torch.int16)), n
-        del ref, got
-    naive_c = torch.compile(dequant_expert_stack, dynamic=False)
-
-    def run_naive(fn):
-        for p, s in mats.values():
-            fn(p, s, torch.bfloat16)
-
-    table, base = [], {}
-    base["eager"] = common.op_ms(lambda: run_naive(dequant_expert_stack), DEV, smoke)
-    free_cache()
-    common.table_row(table, "naive eager (3 stacks)", base["eager"], nbytes, "GB/s", pk, {})
-    try:  # (CPU Inductor has no float8_e8m0fnu: smoke runs on the CPU report the error and go on)
-        run_naive(naive_c)
-        base["compile"] = common.op_ms(lambda: run_naive(naive_c), DEV, smoke)
-        common.table_row(table, "naive torch.compile (3 stacks)", base["compile"], nbytes, "GB/s", pk, {})
-    except Exception as exc:
-        table.append({"name": "naive torch.compile (3 stacks)", "error": type(exc).__name__})
-    free_cache()
-    ms = common.op_ms(lambda: [d_op.fp4_dequant(p, s) for p, s in mats.values()], DEV, smoke)
-    common.table_row(table, "minidi fp4_dequant (default, alloc)", ms, nbytes, "GB/s", pk, base)
-    ms = common.op_ms(lambda: [d_op.fp4_dequant_into(p, s, outs[n]) for n, (p, s) in mats.items()], DEV, smoke)
-    common.table_row(table, "minidi fp4_dequant_into (default)", ms, nbytes, "GB/s", pk, base)
-    for bo, bb, nw in ((8, 256, 4), (16, 256, 8), (4, 512, 4), (8, 512, 8), (16, 128, 4), (32, 128, 8), (2, 1024, 4),
-                       (4, 256, 2)):
-        cfg = dict(BLOCK_O=bo, BLOCK_B=bb, num_warps=nw)
-
-        def run():
-            for n, (p, s) in mats.items():
-                d_op.launch(p, s, outs[n], **cfg)
-
-        ms = common.op_ms(run, DEV, smoke)
-        common.table_row(table, f"  kernel O{bo} B{bb} w{nw}", ms, nbytes, "GB/s", pk, base)
-    p, s = mats["w2"]
-    ref = dequant_expert_stack(p[-2:], s[-2:], torch.bfloat16)  # the last config wrote everything: spot-check it
-    assert torch.equal(outs["w2"][-2:].view(torch.int16), ref.view(torch.int16))
-    common.print_table("D fp4_dequant (bytes: packed + scales read + bf16 written)", table)
     return table
 
 
@@ -322,7 +264,7 @@ def bench_gather(pk: dict, smoke: bool) -> list:
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--only", default="C,D,E,H,I")
+    ap.add_argument("--only", default="C,E,H,I")
     ap.add_argument("--out", default=None)
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, one timed run each (CPU interpreter ok)")
     args = ap.parse_args(argv)
@@ -333,7 +275,7 @@ def main(argv: list[str] | None = None) -> dict:
                f"peaks: bf16 {pk['bf16_tflops']:.0f} TFLOP/s, copy {pk['copy_gbps']:.0f} GB/s (read + write)")
     result = {"bench": "moe_small_ops", "device": dev, "torch": torch.__version__, "triton": triton.__version__,
               "peaks": {k: round(v, 1) for k, v in pk.items()}}
-    parts = {"C": ("moe_combine", bench_combine), "D": ("fp4_dequant", bench_dequant), "E": ("gate_tf32x3", bench_gate),
+    parts = {"C": ("moe_combine", bench_combine), "E": ("gate_tf32x3", bench_gate),
              "H": ("moe_activation", bench_activation), "I": ("gather_rows", bench_gather)}
     with torch.inference_mode():
         for key in args.only.split(","):
