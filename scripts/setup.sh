@@ -32,7 +32,7 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
 else
   say "torch $(.venv/bin/python -c 'import torch; print(torch.__version__)') already installed"
 fi
-say "installing minidi (editable) + triton, safetensors, numpy and extras dev, bench (pytest, expecttest, depyf, transformers, matplotlib; about a minute)"
+say "installing minidi (editable) with triton, safetensors, numpy and the dev + bench extras (about a minute)"
 .venv/bin/python -m pip install -q -e ".[dev,bench]"
 inputs_hash > "$STAMP"
 say "done"

@@ -47,6 +47,9 @@ def load_model(
       (``share_experts=True`` shares one routed-expert set across layers so all layers fit on one GPU).
     ``overrides`` replace config fields (``dtype="float32"``, ``fake_quant=False``, ...).
     """
+    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"load_model(..., device={str(device)!r}): no CUDA device is available "
+                           f"(torch.cuda.is_available() is False); use device='cpu'")
     name = str(path_or_preset)
     if Path(name).is_dir():
         return _from_checkpoint(Path(name), device, overrides)
