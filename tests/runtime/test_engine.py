@@ -69,6 +69,9 @@ def test_preempted_and_recomputed_equals_uninterrupted(model):
     tight = _engine(model, max_seqs=3, cache_tokens=48, page_size=4 if cfg.is_v41 else 1).generate(prompts, 10)
     assert sum(r.preemptions for r in tight) > 0
     assert [r.tokens for r in tight] == [r.tokens for r in roomy]
+    # Portability (issue 16): these are argmax tokens of random weights. On the AMX Xeon the smallest top-2 margin of
+    # tiny-v41's 30 recomputed greedy steps is 1.4e-4, ~10x the fp32 batch-shape spread (<= 1.5e-5): it holds here,
+    # but is the first thing to look at if this test fails on another CPU.
     for p, r in zip(prompts, roomy):  # greedy decoding == full recomputation
         ids = list(p)
         for _ in range(10):
@@ -146,3 +149,14 @@ class TestGoldenGeneration:
             check_values(logits, last6, mean_abs, tol, f"{name} engine fp32 fake_quant={fake_quant}")
             return
         assert eng.generate([PROMPT], N_NEW)[0].tokens == tokens
+
+
+def test_result_repr_is_short():
+    from minidi.runtime.engine import Result
+
+    r = Result(request_id="a", logits=torch.zeros(512), tokens=list(range(40)))
+    text = repr(r)
+    assert text.startswith("Result(request_id='a', error=None, tokens=[0, 1, 2,") and "(40 tokens)" in text
+    assert "logits=[512] float32" in text and len(text) < 200
+    assert repr(Result(request_id=3, error="request 3: empty prompt")) == (
+        "Result(request_id=3, error='request 3: empty prompt', tokens=[], logits=None, preemptions=0)")
