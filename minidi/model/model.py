@@ -220,13 +220,22 @@ class Transformer(nn.Module):
         return tuple(sorted(set(self.cfg.compress_ratios) - {0}))
 
     # ---- forward -----------------------------------------------------------------------------------------------
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """The plain reference forward: one sequence from position 0, nothing cached -> logits [S, V] (fp32)."""
+    def forward(self, input_ids: torch.Tensor | list[int]) -> torch.Tensor:
+        """The plain reference forward: one sequence from position 0, nothing cached -> logits [S, V] (fp32).
+        ``input_ids``: integer token ids, a 1-D tensor [S] (or [1, S]) or a list of ints."""
         cfg = self.cfg
+        if not isinstance(input_ids, torch.Tensor):
+            input_ids = torch.tensor(input_ids, device=self.embed.weight.device)
+            input_ids = input_ids.long() if input_ids.numel() == 0 else input_ids  # [] is a float tensor
+        if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
+            raise TypeError(f"input_ids must be integer token ids (a 1-D integer tensor [S] or a list of ints), "
+                            f"got dtype {input_ids.dtype}")
         if input_ids.dim() == 2 and input_ids.shape[0] == 1:
             input_ids = input_ids[0]
         if input_ids.dim() != 1 or input_ids.numel() == 0:
-            raise ValueError(f"input_ids must be a non-empty 1-D sequence, got shape {tuple(input_ids.shape)}")
+            raise ValueError(f"input_ids must be a non-empty 1-D sequence of token ids (a tensor [S] or a list of "
+                             f"ints), got shape {tuple(input_ids.shape)}; batches of sequences go through "
+                             f"minidi.Engine")
         bad = (input_ids < 0) | (input_ids >= cfg.vocab_size)
         if bad.any():
             pos = int(bad.nonzero()[0, 0])

@@ -53,6 +53,9 @@ def load_model(
       ``random_weights``); ``engram_rows`` holds smaller random Engram tables, hash ids taken modulo).
     ``overrides`` replace config fields (``dtype="float32"``, ``fake_quant=False``, ...).
     """
+    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"load_model(..., device={str(device)!r}): no CUDA device is available "
+                           f"(torch.cuda.is_available() is False); use device='cpu'")
     name = str(path_or_preset)
     random = name in PRESETS and not name.startswith("tiny")
     if not random and (gate_bias is not None or engram_rows is not None):

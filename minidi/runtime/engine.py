@@ -54,6 +54,15 @@ class Result:
     error: str | None = None
     preemptions: int = 0
 
+    def __repr__(self) -> str:
+        """One line: id, error, tokens, the logits' shape and dtype (not their values)."""
+        lg = None if self.logits is None else f"{list(self.logits.shape)} {str(self.logits.dtype)[6:]}"
+        toks = self.tokens
+        if len(toks) > 16:
+            toks = f"[{', '.join(map(str, toks[:16]))}, ...] ({len(toks)} tokens)"
+        return (f"Result(request_id={self.request_id!r}, error={self.error!r}, tokens={toks}, logits={lg}, "
+                f"preemptions={self.preemptions})")
+
 
 @dataclass
 class _Seq:

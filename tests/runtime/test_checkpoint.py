@@ -277,3 +277,13 @@ def test_load_onto_gpu(base):
     cfg, loaded = load_checkpoint(base[0], device="cuda")
     assert all(t.is_cuda for t in loaded.values())
     _assert_bitwise_equal(base[1], {n: t.cpu() for n, t in loaded.items()})
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without a CUDA device")
+@pytest.mark.parametrize("what", ["tiny-v41", "v41-flash"])
+def test_cuda_without_a_gpu_is_a_plain_error(what):
+    import minidi
+
+    with pytest.raises(RuntimeError, match=r"no CUDA device is available \(torch.cuda.is_available\(\) is False\); "
+                                           r"use device='cpu'"):
+        minidi.load_model(what, device="cuda")

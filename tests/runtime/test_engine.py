@@ -5,7 +5,6 @@ top-k ties and expert routing into O(1) logit changes, which would hide or fake 
 size ~5: different batch shapes only change fp32 summation order (measured <= 1.5e-5).
 """
 
-import expecttest
 import pytest
 import torch
 
@@ -70,6 +69,9 @@ def test_preempted_and_recomputed_equals_uninterrupted(model):
     tight = _engine(model, max_seqs=3, cache_tokens=48, page_size=4 if cfg.is_v41 else 1).generate(prompts, 10)
     assert sum(r.preemptions for r in tight) > 0
     assert [r.tokens for r in tight] == [r.tokens for r in roomy]
+    # Portability (issue 16): these are argmax tokens of random weights. On the AMX Xeon the smallest top-2 margin of
+    # tiny-v41's 30 recomputed greedy steps is 1.4e-4, ~10x the fp32 batch-shape spread (<= 1.5e-5): it holds here,
+    # but is the first thing to look at if this test fails on another CPU.
     for p, r in zip(prompts, roomy):  # greedy decoding == full recomputation
         ids = list(p)
         for _ in range(10):
@@ -116,25 +118,37 @@ def test_prefix_pages_are_shared_not_copied(model):
     assert {m: cm.n_pages[m] - len(cm.free_pages[m]) for m in cm.ratios} == used
 
 
-class TestGoldenGeneration(expecttest.TestCase):
-    """Greedy tokens of both embedded tiny checkpoints (bf16, fake-quant on) through the engine.
+class TestGoldenGeneration:
+    """Greedy tokens of both embedded tiny checkpoints through the engine (incremental decode steps), in fp32.
 
-    In bf16 these need not equal tests/model/test_golden.py's full-recompute tokens: a one-token decode step rounds
-    differently from a batched prefill (GEMV vs GEMM), and the tiny random model's top-2 margins are ~0.01-0.1
-    (tiny-v41 flips at its second token). In fp32, with or without fake-quant, generation equals full recomputation
-    token for token (test_preempted_and_recomputed_equals_uninterrupted and a measured fp32+fake-quant run)."""
+    In fp32 the engine's one-token decode steps equal full recomputation token for token, with fake quant off and on
+    (measured; test_preempted_and_recomputed_equals_uninterrupted holds it without fake quant), so the engine must
+    give tests/model/test_golden.py's pinned tokens, whose top-2 margins that file asserts. Not in bf16: there a
+    one-token decode step rounds differently from a batched prefill (GEMV vs GEMM), the tiny random model's top-2
+    margins are ~0.01-0.1, and the tokens differ between CPUs (they failed on an AMX Xeon where they were not
+    pinned). tiny-v4 with fake quant on has no pinned tokens (test_golden: its fake-quant spread exceeds its
+    margins); its engine check compares the prefill logits with the pinned values instead."""
 
-    def test_tiny_v41(self):
-        from tests.model.test_golden import PROMPT
+    @pytest.mark.parametrize("fake_quant", [False, True], ids=["fq_off", "fq_on"])
+    def test_tiny_v41(self, fake_quant):
+        self._check("tiny-v41", fake_quant)
 
-        eng = Engine(minidi.load_model("tiny-v41"), max_batch_tokens=16, cache_tokens=1024, page_size=8)
-        self.assertExpectedInline(str(eng.generate([PROMPT], 8)[0].tokens), """[51, 151, 96, 108, 215, 113, 367, 385]""")
+    @pytest.mark.parametrize("fake_quant", [False, True], ids=["fq_off", "fq_on"])
+    def test_tiny_v4(self, fake_quant):
+        self._check("tiny-v4", fake_quant)
 
-    def test_tiny_v4(self):
-        from tests.model.test_golden import PROMPT
+    @staticmethod
+    def _check(name, fake_quant):
+        from tests.model.test_golden import FP32_GOLDEN, PROMPT, N_NEW, check_values
 
-        eng = Engine(minidi.load_model("tiny-v4"), max_batch_tokens=16, cache_tokens=1024, page_size=8)
-        self.assertExpectedInline(str(eng.generate([PROMPT], 8)[0].tokens), """[198, 56, 177, 177, 10, 241, 81, 139]""")
+        last6, mean_abs, tol, tokens = FP32_GOLDEN[(name, fake_quant)]
+        eng = Engine(minidi.load_model(name, dtype="float32", fake_quant=fake_quant), max_batch_tokens=16,
+                     cache_tokens=1024, page_size=8)
+        if tokens is None:
+            logits = eng.prefill([Request(PROMPT, all_logits=True)])[0].logits  # chunks of 16 + 8 tokens
+            check_values(logits, last6, mean_abs, tol, f"{name} engine fp32 fake_quant={fake_quant}")
+            return
+        assert eng.generate([PROMPT], N_NEW)[0].tokens == tokens
 
 
 def test_chunked_prefill_with_a_longer_engram_ngram():
@@ -154,3 +168,14 @@ def test_chunked_prefill_with_a_longer_engram_ngram():
     for chunk in (5, 13):
         r = _engine(model, max_batch_tokens=chunk).prefill([Request(ids, all_logits=True)])[0]
         assert (r.logits - want).abs().max() < TOL, chunk
+
+
+def test_result_repr_is_short():
+    from minidi.runtime.engine import Result
+
+    r = Result(request_id="a", logits=torch.zeros(512), tokens=list(range(40)))
+    text = repr(r)
+    assert text.startswith("Result(request_id='a', error=None, tokens=[0, 1, 2,") and "(40 tokens)" in text
+    assert "logits=[512] float32" in text and len(text) < 200
+    assert repr(Result(request_id=3, error="request 3: empty prompt")) == (
+        "Result(request_id=3, error='request 3: empty prompt', tokens=[], logits=None, preemptions=0)")
