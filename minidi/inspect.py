@@ -75,7 +75,7 @@ def _depyf(out: Path, use: bool) -> tuple[contextlib.AbstractContextManager, Pat
 
 
 def inspect_model(model_name: str, out: str | Path, passes: str = "all", backend: str = "aot_eager",
-                  op_backend: str = "triton", tokens: int = 16, use_depyf: bool = True) -> dict:
+                  op_backend: str = "auto", tokens: int = 16, use_depyf: bool = True) -> dict:
     """Compile one prefill step of ``model_name`` (fp32, fake-quant off) and write the dumps under ``out``."""
     import minidi
     from minidi.model.context import ModelCache, StepMeta
@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True, help="dump directory")
     ap.add_argument("--passes", default="all", help='"all", "none" or e.g. "A,B"')
     ap.add_argument("--backend", default="aot_eager", help="inner torch.compile backend (aot_eager, inductor)")
-    ap.add_argument("--op-backend", choices=("triton", "ref"), default="triton",
+    ap.add_argument("--op-backend", choices=("auto", "triton", "ref"), default="auto",
                     help="ops the passes insert (triton: CUDA, or CPU under TRITON_INTERPRET=1)")
     ap.add_argument("--tokens", type=int, default=16, help="tokens of the traced step")
     ap.add_argument("--no-depyf", action="store_true", help="only write the before/after graphs")

@@ -46,7 +46,7 @@ class Rewrite:
     name: ClassVar[str]
     in_all: ClassVar[bool] = True  # part of passes="all" (False: opt-in, named on its own)
 
-    def __init__(self, op_backend: str = "triton") -> None:
+    def __init__(self, op_backend: str = "auto") -> None:
         self.op_backend = op_backend
 
     def match(self, node: Node) -> Match | None:

@@ -109,7 +109,7 @@ class PassManager(_PassBase):
     """
 
     def __init__(self, passes: str | Iterable[str] | None = "all", *, strict: bool = False,
-                 expected: dict[str, list[int]] | None = None, op_backend: str = "triton",
+                 expected: dict[str, list[int]] | None = None, op_backend: str = "auto",
                  keep_graphs: bool = False) -> None:
         self.keys = select(passes)
         self.rewrites: list[Rewrite] = [BY_KEY[k](op_backend) for k in self.keys]
@@ -130,7 +130,8 @@ class PassManager(_PassBase):
         keys custom passes by it, and a stale key would serve graphs compiled with the old passes."""
         mods = [sys.modules[__name__], sys.modules[Rewrite.__module__]]
         mods += [sys.modules[type(r).__module__] for r in self.rewrites]
-        mods += [sys.modules["minidi.passes.fx_utils"], sys.modules["minidi.passes.patterns"]]
+        mods += [sys.modules["minidi.passes.fx_utils"], sys.modules["minidi.passes.patterns"],
+                 sys.modules["minidi.formats"]]
         return _source_hash(mods, f"{self.keys}|{self.strict}|{self.op_backend}")
 
     def __call__(self, graph: Graph | GraphModule) -> dict[str, int]:

@@ -310,7 +310,7 @@ def compile(  # noqa: A001 (minidi.compile mirrors torch.compile)
     *,
     strict: bool = False,
     backend: str | Callable = "inductor",
-    op_backend: str = "triton",
+    op_backend: str = "auto",
     expected: dict[str, list[int]] | None = None,
     keep_graphs: bool = False,
     fullgraph: bool = True,
@@ -325,8 +325,9 @@ def compile(  # noqa: A001 (minidi.compile mirrors torch.compile)
     ``passes``: "all", "none", "A,B" or a list of keys / names. ``strict``: fail compilation when a pass matches a
     different number of sites than ``expected`` (default: ``expected_sites(model.cfg)`` when the model has a
     config; strict needs ``fullgraph=True``: one graph must hold the whole step). ``backend``: the inner backend
-    that compiles the rewritten graph ("inductor", "aot_eager", ...). ``op_backend``: "triton" (CUDA, or CPU under
-    ``TRITON_INTERPRET=1``) or "ref" for the ops the passes insert. ``regional``: compile each layer on its own
+    that compiles the rewritten graph ("inductor", "aot_eager", ...). ``op_backend``: the backend of the ops the passes
+    insert: "auto" (the Triton kernels on CUDA, or on the CPU under ``TRITON_INTERPRET=1``; else their plain-torch
+    references), "triton" (the kernels, or a clear error where they cannot run) or "ref". ``regional``: compile each layer on its own
     (``RegionalStep``). ``faithful_rounding``: Inductor rounds fused intermediates where eager rounds (default; see
     the module docstring), ``False`` for its stock fused-fp32 rounding. ``progress``: called with each progress line
     (they also go to the ``minidi.compile`` logger at INFO). The result has ``.pass_manager`` and ``.uncompile()``.

@@ -65,7 +65,7 @@ class GraphModule(torch.nn.Module):
         l_args_0_ = L_args_0_
         l_args_2_ = L_args_2_
         l_args_1_ = L_args_1_
-        moe_combine: "f32[4, 32]" = minidi_ops_moe_combine_moe_combine(l_args_0_, l_args_1_, l_args_2_, 2, backend = 'triton');  l_args_0_ = l_args_1_ = l_args_2_ = None
+        moe_combine: "f32[4, 32]" = minidi_ops_moe_combine_moe_combine(l_args_0_, l_args_1_, l_args_2_, 2, backend = 'auto');  l_args_0_ = l_args_1_ = l_args_2_ = None
         return (moe_combine,)
 """)
 
@@ -99,7 +99,7 @@ class GraphModule(torch.nn.Module):
     def forward(self, L_args_0_: "f32[5, 64]", L_args_1_: "bf16[8, 64]"):
         l_args_0_ = L_args_0_
         l_args_1_ = L_args_1_
-        gate_tf32x3: "f32[5, 8]" = minidi_ops_gate_tf32x3_gate_tf32x3(l_args_0_, l_args_1_, backend = 'triton');  l_args_0_ = l_args_1_ = None
+        gate_tf32x3: "f32[5, 8]" = minidi_ops_gate_tf32x3_gate_tf32x3(l_args_0_, l_args_1_, backend = 'auto');  l_args_0_ = l_args_1_ = None
         softplus: "f32[5, 8]" = torch._C._nn.softplus(gate_tf32x3);  gate_tf32x3 = None
         sqrt: "f32[5, 8]" = torch.sqrt(softplus);  softplus = None
         return (sqrt,)
@@ -154,7 +154,7 @@ class GraphModule(torch.nn.Module):
     def forward(self, L_args_0_: "f32[5, 64]", L_args_1_: "f32[24, 64]"):
         l_args_0_ = L_args_0_
         l_args_1_ = L_args_1_
-        gate_tf32x3: "f32[5, 24]" = minidi_ops_gate_tf32x3_gate_tf32x3(l_args_0_, l_args_1_, backend = 'triton');  l_args_0_ = l_args_1_ = None
+        gate_tf32x3: "f32[5, 24]" = minidi_ops_gate_tf32x3_gate_tf32x3(l_args_0_, l_args_1_, backend = 'auto');  l_args_0_ = l_args_1_ = None
         return (gate_tf32x3,)
 """)
 
@@ -238,7 +238,7 @@ class GraphModule(torch.nn.Module):
         l_args_3_ = L_args_3_
         l_args_0_ = L_args_0_
         l_args_5_ = L_args_5_
-        sparse_attention: "f32[5, 4, 32]" = minidi_ops_sparse_attention_sparse_attention(l_args_0_, l_args_1_, l_args_2_, l_args_3_, l_args_4_, l_args_5_, 0.125, backend = 'triton');  l_args_0_ = l_args_1_ = l_args_2_ = l_args_3_ = l_args_4_ = l_args_5_ = None
+        sparse_attention: "f32[5, 4, 32]" = minidi_ops_sparse_attention_sparse_attention(l_args_0_, l_args_1_, l_args_2_, l_args_3_, l_args_4_, l_args_5_, 0.125, backend = 'auto');  l_args_0_ = l_args_1_ = l_args_2_ = l_args_3_ = l_args_4_ = l_args_5_ = None
         return (sparse_attention,)
 """)
 
@@ -311,7 +311,7 @@ class GraphModule(torch.nn.Module):
         l_args_2_ = L_args_2_
         l_args_3_ = L_args_3_
         l_args_4_ = L_args_4_
-        indexer_topk = minidi_ops_indexer_score_indexer_topk(l_args_0_, l_args_1_, l_args_2_, l_args_3_, l_args_4_, 4, None, backend = 'triton');  l_args_0_ = l_args_1_ = l_args_2_ = l_args_3_ = l_args_4_ = None
+        indexer_topk = minidi_ops_indexer_score_indexer_topk(l_args_0_, l_args_1_, l_args_2_, l_args_3_, l_args_4_, 4, None, backend = 'auto');  l_args_0_ = l_args_1_ = l_args_2_ = l_args_3_ = l_args_4_ = None
         getitem_2: "i64[6, 4]" = indexer_topk[0]
         getitem_3: "f32[6, 24]" = indexer_topk[1];  indexer_topk = None
         return (getitem_2, getitem_3)
@@ -368,7 +368,7 @@ class GraphModule(torch.nn.Module):
         l_args_1_ = L_args_1_
         l_args_2_ = L_args_2_
         l_args_3_ = L_args_3_
-        fp4_grouped_mm: "f32[7, 16]" = minidi_ops_fp4_grouped_gemm_fp4_grouped_mm(l_args_0_, l_args_1_, l_args_2_, l_args_3_, backend = 'triton');  l_args_0_ = l_args_1_ = l_args_2_ = l_args_3_ = None
+        fp4_grouped_mm: "f32[7, 16]" = minidi_ops_fp4_grouped_gemm_fp4_grouped_mm(l_args_0_, l_args_1_, l_args_2_, l_args_3_, backend = 'auto');  l_args_0_ = l_args_1_ = l_args_2_ = l_args_3_ = None
         return (fp4_grouped_mm,)
 """)
 
@@ -488,10 +488,10 @@ class GraphModule(torch.nn.Module):
         l_args_6_ = L_args_6_
         l_args_3_ = L_args_3_
         l_args_4_ = L_args_4_
-        fp4_grouped_mm: "f32[9, 64]" = minidi_ops_fp4_grouped_gemm_fp4_grouped_mm(l_args_0_, l_args_1_, l_args_2_, l_args_5_, backend = 'triton')
-        fp4_grouped_mm_1: "f32[9, 64]" = minidi_ops_fp4_grouped_gemm_fp4_grouped_mm(l_args_0_, l_args_1_, l_args_2_, l_args_5_, backend = 'triton');  l_args_0_ = l_args_1_ = l_args_2_ = None
-        moe_activation: "f32[9, 64]" = minidi_ops_moe_activation_moe_activation(fp4_grouped_mm, fp4_grouped_mm_1, l_args_6_, l_args_5_, 10.0, 32, backend = 'triton');  fp4_grouped_mm = fp4_grouped_mm_1 = l_args_6_ = None
-        fp4_grouped_mm_2: "f32[9, 64]" = minidi_ops_fp4_grouped_gemm_fp4_grouped_mm(moe_activation, l_args_3_, l_args_4_, l_args_5_, backend = 'triton');  moe_activation = l_args_3_ = l_args_4_ = l_args_5_ = None
+        fp4_grouped_mm: "f32[9, 64]" = minidi_ops_fp4_grouped_gemm_fp4_grouped_mm(l_args_0_, l_args_1_, l_args_2_, l_args_5_, backend = 'auto')
+        fp4_grouped_mm_1: "f32[9, 64]" = minidi_ops_fp4_grouped_gemm_fp4_grouped_mm(l_args_0_, l_args_1_, l_args_2_, l_args_5_, backend = 'auto');  l_args_0_ = l_args_1_ = l_args_2_ = None
+        moe_activation: "f32[9, 64]" = minidi_ops_moe_activation_moe_activation(fp4_grouped_mm, fp4_grouped_mm_1, l_args_6_, l_args_5_, 10.0, 32, backend = 'auto');  fp4_grouped_mm = fp4_grouped_mm_1 = l_args_6_ = None
+        fp4_grouped_mm_2: "f32[9, 64]" = minidi_ops_fp4_grouped_gemm_fp4_grouped_mm(moe_activation, l_args_3_, l_args_4_, l_args_5_, backend = 'auto');  moe_activation = l_args_3_ = l_args_4_ = l_args_5_ = None
         return (fp4_grouped_mm_2,)
 """)
     calls = [n.target for n in after.graph.nodes if n.op == "call_function"]
@@ -541,9 +541,9 @@ class GraphModule(torch.nn.Module):
         arange: "i64[18]" = torch.arange(18, device = device(type='cpu'))
         mul: "i64[18]" = arange * 5;  arange = None
         idx: "i64[18]" = mul % 9;  mul = None
-        gather_rows: "f32[18, 64]" = minidi_ops_moe_gather_gather_rows(l_args_0_, idx, l_args_5_, backend = 'triton');  l_args_0_ = idx = None
-        fp4_grouped_mm: "f32[18, 64]" = minidi_ops_fp4_grouped_gemm_fp4_grouped_mm(gather_rows, l_args_1_, l_args_2_, l_args_5_, backend = 'triton')
-        fp4_grouped_mm_1: "f32[18, 64]" = minidi_ops_fp4_grouped_gemm_fp4_grouped_mm(gather_rows, l_args_1_, l_args_2_, l_args_5_, backend = 'triton');  gather_rows = l_args_1_ = l_args_2_ = l_args_5_ = None
+        gather_rows: "f32[18, 64]" = minidi_ops_moe_gather_gather_rows(l_args_0_, idx, l_args_5_, backend = 'auto');  l_args_0_ = idx = None
+        fp4_grouped_mm: "f32[18, 64]" = minidi_ops_fp4_grouped_gemm_fp4_grouped_mm(gather_rows, l_args_1_, l_args_2_, l_args_5_, backend = 'auto')
+        fp4_grouped_mm_1: "f32[18, 64]" = minidi_ops_fp4_grouped_gemm_fp4_grouped_mm(gather_rows, l_args_1_, l_args_2_, l_args_5_, backend = 'auto');  gather_rows = l_args_1_ = l_args_2_ = l_args_5_ = None
         y: "f32[18, 64]" = fp4_grouped_mm * fp4_grouped_mm_1;  fp4_grouped_mm = fp4_grouped_mm_1 = None
         return (y,)
 """)
