@@ -217,7 +217,8 @@ def _describe(kind: Any) -> str:
     if not hasattr(kind, "_asdict"):
         return str(kind)
     (k0, v0), *rest = kind._asdict().items()
-    return ", ".join([f"{k0}={v0}"] + [k if v is True else f"{k}={v}" for k, v in rest if v is not False and v is not None])
+    shown = [k if v is True else f"{k}={v}" for k, v in rest if v is not False and v is not None]
+    return ", ".join([f"{k0}={v0}", *shown])
 
 
 class RegionalStep:
