@@ -194,9 +194,12 @@ def layer_kind(block: torch.nn.Module) -> Any:
 
 
 def _describe(kind: Any) -> str:
-    if hasattr(kind, "_asdict"):
-        return ", ".join(f"{k}={v}" for k, v in kind._asdict().items())
-    return str(kind)
+    """A short label: a named kind's first field, then its other fields that are set (``ratio=4, engram``)."""
+    if not hasattr(kind, "_asdict"):
+        return str(kind)
+    (k0, v0), *rest = kind._asdict().items()
+    shown = [k if v is True else f"{k}={v}" for k, v in rest if v is not False and v is not None]
+    return ", ".join([f"{k0}={v0}", *shown])
 
 
 class RegionalStep:

@@ -26,7 +26,7 @@ from minidi.model.model import Transformer
 from .batch import StepItem, build_step
 from .cache import CacheFull, CacheManager, SeqCache
 from .compile import compile as minidi_compile
-from .compile import dynamic_shape_config  # noqa: F401 (re-exported: callers import it from here)
+from .compile import dynamic_shape_config
 
 
 @dataclass

@@ -36,7 +36,7 @@ def test_compiled_step_one_graph_no_breaks_equal_to_eager():
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
 
 
-@pytest.mark.slow  # Inductor's C++ codegen of the whole tiny step: TIME per model on the 2-core CPU machine
+@pytest.mark.slow  # Inductor compiles the whole tiny step (C++ codegen): minutes per model on a 2-core CPU
 @pytest.mark.parametrize("name", ["tiny-v41", "tiny-v4"])
 def test_compiled_greedy_tokens_equal_eager_bf16_fake_quant(name):
     """The served settings (bf16, fake quant on) through ``Engine(compile=True)`` with Inductor: faithful rounding
