@@ -17,8 +17,9 @@ from minidi.model.config import ModelConfig
 from minidi.model.model import Transformer
 from minidi.model.presets import PRESETS, preset
 
-from .checkpoint import load_checkpoint, tiny_checkpoint
+from .checkpoint import CheckpointError, load_checkpoint, tiny_checkpoint
 from .random_weights import random_state_dict
+from .value_scan import scan_values
 
 
 def model_from_tensors(cfg: ModelConfig, tensors: dict[str, torch.Tensor], device: str | torch.device) -> Transformer:
@@ -37,6 +38,7 @@ def load_model(
     *,
     seed: int = 0,
     share_experts: bool = False,
+    validate_values: bool = False,
     **overrides: Any,
 ) -> Transformer:
     """The public entry point.
@@ -46,26 +48,44 @@ def load_model(
     - ``v41-flash`` / ``v4-flash``: full-size shapes with random weights built on ``device``
       (``share_experts=True`` shares one routed-expert set across layers so all layers fit on one GPU).
     ``overrides`` replace config fields (``dtype="float32"``, ``fake_quant=False``, ...).
+    ``validate_values``: scan every weight for NaN / Inf and E8M0 scale byte 255 (``value_scan.scan_values``) and
+    raise ``CheckpointError`` naming the tensors; off by default (it reads every byte).
     """
     name = str(path_or_preset)
     if Path(name).is_dir():
-        return _from_checkpoint(Path(name), device, overrides)
+        return _from_checkpoint(Path(name), device, overrides, validate_values)
     if name not in PRESETS:
         raise ValueError(f"{name!r} is neither a checkpoint directory nor a preset ({', '.join(PRESETS)})")
     if name.startswith("tiny"):
-        return _from_checkpoint(tiny_checkpoint(name, seed=seed), device, {"name": name, **overrides})
+        return _from_checkpoint(tiny_checkpoint(name, seed=seed), device, {"name": name, **overrides},
+                                validate_values)
     cfg = preset(name, **overrides)
-    return model_from_tensors(cfg, random_state_dict(cfg, seed=seed, device=device, share_experts=share_experts),
-                              device)
+    tensors = random_state_dict(cfg, seed=seed, device=device, share_experts=share_experts)
+    if validate_values:
+        problems = scan_values(tensors)
+        if problems:
+            raise CheckpointError(Path(name), problems)
+    return model_from_tensors(cfg, tensors, device)
 
 
-def _from_checkpoint(path: Path, device: str | torch.device, overrides: dict[str, Any]) -> Transformer:
-    """Load a checkpoint folder; with ``ep_size > 1`` only this rank's experts are read from disk."""
-    cfg = ModelConfig.from_hf_config(path) if (path / "config.json").is_file() else None
+def _from_checkpoint(path: Path, device: str | torch.device, overrides: dict[str, Any],
+                     validate_values: bool = False) -> Transformer:
+    """Load a checkpoint folder; with ``ep_size > 1`` only this rank's experts are read from disk.
+
+    The config is read here (to apply ``overrides`` and pick the rank's experts) only when it parses; otherwise
+    ``load_checkpoint`` reports it together with every other problem in one ``CheckpointError``."""
+    cfg = None
+    if (path / "config.json").is_file():
+        try:
+            cfg = ModelConfig.from_hf_config(path)
+        except (ValueError, TypeError):
+            cfg = None
+        if cfg is None:
+            load_checkpoint(path, validate_values=validate_values)  # raises, listing the config problem
     if cfg is not None and overrides:
         cfg = cfg.with_(**overrides)
     only = rank_experts_only(cfg) if cfg is not None and cfg.ep_size > 1 else None
-    cfg, tensors = load_checkpoint(path, cfg=cfg, device="cpu", only=only)
+    cfg, tensors = load_checkpoint(path, cfg=cfg, device="cpu", only=only, validate_values=validate_values)
     return model_from_tensors(cfg, tensors, device)
 
 
