@@ -15,8 +15,10 @@ the others still complete.
 Nothing a request carries can raise out of ``prefill`` / ``generate``, leak cache or touch another request's rows:
 every field is validated before admission (``validate.py``); a prefix handle is looked up in this engine's own table
 by (engine id, handle id), ids are never reused, so a released, foreign or forged handle is an error for its request
-alone; a request that fails inside admission, growth, fork or a step is failed alone (a failed step's sequences
-drop their cache, are recomputed, and run one per step until the culprit is found), and its slot and pages go back.
+alone; a request that fails inside admission, growth, fork or a step is failed alone, and its slot and pages go
+back. A failed step's sequences drop their cache (the step may have written part of it) and are recomputed, each
+alone in its steps until it finishes: the culprit then fails by itself. Sticky on purpose: letting a sequence rejoin
+batches after one good solo step would loop forever on a request whose later chunk fails.
 """
 
 from __future__ import annotations
