@@ -351,10 +351,12 @@ def load_checkpoint(
             continue
         fpath = path / shard
         why = _probe(fpath)
+        if why is not None and not todo:
+            continue  # nothing needed from it (only skipped / other ranks' tensors): as before, not an error
         if why is not None:
             title = (f"index points at missing shard file {shard} for tensors" if why == "is missing"
                      else f"shard file {shard} {why}; cannot read tensors")
-            problems.append(_listed(title, todo or names))
+            problems.append(_listed(title, todo))
             continue
         try:
             _read_shard(fpath, set(names), todo, table, wanted, device, out, misshaped, wrong_dtype, problems)

@@ -14,6 +14,8 @@ from collections.abc import Mapping
 import torch
 
 CHUNK = 1 << 24  # elements per pass: bounds the temporary masks at full size
+# for a benchmark card whose weights were not scanned (random weights, or validate_values=False)
+NOT_SCANNED_NOTE = "weight values not scanned for NaN / Inf / E8M0 255 (load with validate_values=True)"
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
 
