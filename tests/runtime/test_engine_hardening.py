@@ -286,3 +286,28 @@ def test_failed_cache_prefix_leaks_nothing(model):
         eng.cache_prefix([1, True])
     assert eng.live_caches() == []
     _assert_pool_clean(eng, start)
+
+
+def test_bad_requests_under_preemption_leave_the_pool_as_it_was(model):
+    # a budget that holds about two of the three good sequences: preemption and recomputation run alongside a
+    # freed handle, a poisoned step and a negative max_new_tokens
+    prompts = [list(range(20, 32)), list(range(40, 49)), list(range(60, 74))]
+    roomy = _engine(model).generate(prompts, 3)
+    eng = _engine(model, max_seqs=3, cache_tokens=28, page_size=4)  # (measured with a stub step: 1 preemption)
+    start = eng.cache.free_counts()
+    freed = eng.cache_prefix([1, 2, 3])
+    eng.release_prefix(freed)
+    eng.step_fn = _poisoned(eng.step_fn)
+    reqs = [Request(p, max_new_tokens=3, request_id=f"good-{i}") for i, p in enumerate(prompts)]
+    reqs[1:1] = [Request([5, 6], prefix=freed, max_new_tokens=2, request_id="freed"),
+                 Request([5, 6], max_new_tokens=-1, request_id="negative")]
+    reqs.append(Request([5, 6, 8, POISON], max_new_tokens=2, request_id="poison"))
+    res = {r.request_id: r for r in eng.prefill(reqs)}
+    assert "step failed" in res["poison"].error and "was released" in res["freed"].error
+    assert "max_new_tokens must be >= 0" in res["negative"].error
+    assert sum(r.preemptions for r in res.values()) > 0
+    for i, want in enumerate(roomy):
+        got = res[f"good-{i}"]
+        assert got.error is None and got.tokens == want.tokens
+        assert (got.logits - want.logits).abs().max() < TOL
+    _assert_pool_clean(eng, start)
