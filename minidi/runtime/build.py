@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -52,7 +53,7 @@ def load_model(
     raise ``CheckpointError`` naming the tensors; off by default (it reads every byte).
     """
     name = str(path_or_preset)
-    if Path(name).is_dir():
+    if Path(name).is_dir() or (name not in PRESETS and os.path.lexists(name)):  # the loader says what is wrong
         return _from_checkpoint(Path(name), device, overrides, validate_values)
     if name not in PRESETS:
         raise ValueError(f"{name!r} is neither a checkpoint directory nor a preset ({', '.join(PRESETS)})")
@@ -78,7 +79,7 @@ def _from_checkpoint(path: Path, device: str | torch.device, overrides: dict[str
     if (path / "config.json").is_file():
         try:
             cfg = ModelConfig.from_hf_config(path)
-        except (ValueError, TypeError):
+        except Exception:  # noqa: BLE001 - load_checkpoint reports it, naming the key
             cfg = None
         if cfg is None:
             load_checkpoint(path, validate_values=validate_values)  # raises, listing the config problem

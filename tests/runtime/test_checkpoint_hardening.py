@@ -229,6 +229,8 @@ def test_looping_folder_config_and_index(tmp_path, ckpt):
     loop = tmp_path / "loop"
     os.symlink(loop, loop)
     assert f"checkpoint folder {loop} is a symlink loop" in _problems(loop)
+    with pytest.raises(CheckpointError, match="is a symlink loop"):
+        minidi.load_model(str(loop))
     assert f"checkpoint folder {tmp_path / 'nope'} does not exist" in _problems(tmp_path / "nope")
     (ckpt / "config.json").unlink()
     os.symlink("config.json", ckpt / "config.json")
