@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -176,7 +177,14 @@ class ModelConfig:
 
     # ---- validation -------------------------------------------------------------------------------------------
     def validate(self) -> list[str]:
-        p: list[str] = []
+        p = [msg for f in dataclasses.fields(self) if (msg := field_type_problem(f.name, getattr(self, f.name)))]
+        if p:  # the checks below do arithmetic on the values: a str would fail them with an unrelated TypeError
+            return p
+        p = [f"{nm} must be >= {lo}, got {getattr(self, nm)}" for nm, lo in _MINIMA.items() if getattr(self, nm) < lo]
+        if any(r < 0 for r in self.compress_ratios):
+            p.append(f"compress_ratios must be >= 0, got {self.compress_ratios}")
+        if p:
+            return p
         if self.arch not in ARCHS:
             p.append(f"arch must be one of {ARCHS}, got {self.arch!r}")
             return p
@@ -299,13 +307,77 @@ class ModelConfig:
         return _from_hf_dict(raw, name=overrides.pop("name", str(p.parent)), **overrides)
 
 
+# ---- value types -----------------------------------------------------------------------------------------------------
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+_KINDS: dict[str, tuple[str, Any]] = {
+    "int": ("an int", _is_int),
+    "float": ("a finite number", lambda v: (_is_int(v) or isinstance(v, float)) and math.isfinite(v)),
+    "bool": ("true or false", lambda v: isinstance(v, bool)),
+    "str": ("a string", lambda v: isinstance(v, str)),
+    "tuple[int, ...]": ("a list of ints", lambda v: isinstance(v, (tuple, list)) and all(_is_int(x) for x in v)),
+}
+# sizes that must be positive (a zero or negative one only fails deep inside the model)
+_MINIMA: dict[str, int] = {
+    **{n: 1 for n in ("vocab_size", "dim", "n_layers", "n_heads", "head_dim", "q_lora_rank", "o_groups",
+                      "o_lora_rank", "index_n_heads", "index_head_dim", "index_topk", "candidate_topk_blocks",
+                      "candidate_block_size", "hc_mult", "hc_sinkhorn_iters", "n_routed_experts", "n_shared_experts",
+                      "n_activated_experts", "moe_inter_dim", "original_seq_len", "max_position_embeddings",
+                      "engram_max_ngram", "engram_n_heads", "engram_head_dim")},
+    "window_size": 2, "rope_head_dim": 0, "n_hash_layers": 0,
+}
+
+
+def field_type_problem(name: str, value: Any, key: str | None = None) -> str | None:
+    """The problem with ``value`` as the config field ``name`` (``key``: its config.json name for the message)."""
+    ann = {f.name: f.type for f in dataclasses.fields(ModelConfig)}[name]
+    kind = _KINDS.get(ann if isinstance(ann, str) else getattr(ann, "__name__", ""))
+    if kind is None or kind[1](value):
+        return None
+    where = f"config.json key {key!r}" if key else name
+    return f"{where} must be {kind[0]}, got {value!r} ({type(value).__name__})"
+
+
+# ModelConfig field -> config.json key, for messages that name the key the user has to fix
+_HF_KEYS: dict[str, str] = {
+    "vocab_size": "vocab_size", "dim": "hidden_size", "n_layers": "num_hidden_layers",
+    "n_heads": "num_attention_heads", "head_dim": "head_dim", "rope_head_dim": "qk_rope_head_dim",
+    "q_lora_rank": "q_lora_rank", "o_groups": "o_groups", "o_lora_rank": "o_lora_rank",
+    "window_size": "sliding_window", "compress_ratios": "compress_ratios", "index_n_heads": "index_n_heads",
+    "index_head_dim": "index_head_dim", "index_topk": "index_topk", "hc_mult": "hc_mult",
+    "hc_sinkhorn_iters": "hc_sinkhorn_iters", "hc_eps": "hc_eps", "norm_eps": "rms_norm_eps",
+    "n_routed_experts": "n_routed_experts", "n_shared_experts": "n_shared_experts",
+    "n_activated_experts": "num_experts_per_tok", "moe_inter_dim": "moe_intermediate_size",
+    "score_func": "scoring_func", "route_scale": "routed_scaling_factor", "swiglu_limit": "swiglu_limit",
+    "n_hash_layers": "num_hash_layers", "rope_theta": "rope_theta", "compress_rope_theta": "compress_rope_theta",
+    "rope_factor": "rope_scaling.factor", "original_seq_len": "rope_scaling.original_max_position_embeddings",
+    "beta_fast": "rope_scaling.beta_fast", "beta_slow": "rope_scaling.beta_slow",
+    "max_position_embeddings": "max_position_embeddings", "bos_token_id": "bos_token_id",
+    "eos_token_id": "eos_token_id", "kv_source_layers": "kv_source_layer_ids",
+    "index_source_layers": "index_source_layer_ids", "candidate_source_layer": "candidate_source_layer_id",
+    "candidate_topk_blocks": "candidate_topk_blocks", "candidate_block_size": "candidate_block_size",
+    "engram_layers": "engram_layer_ids", "engram_num_embeddings": "engram_num_embeddings",
+    "engram_max_ngram": "engram_max_ngram_size", "engram_vocab_size": "engram_vocab_size",
+    "engram_n_heads": "engram_n_heads", "engram_head_dim": "engram_head_dim", "engram_pad_id": "engram_pad_id",
+    "engram_compressed_vocab_size": "engram_compressed_vocab_size",
+}
+
+
 def _from_hf_dict(raw: dict[str, Any], **overrides: Any) -> ModelConfig:
     if not isinstance(raw, dict):
         raise ValueError(f"config.json must hold a JSON object, got {type(raw).__name__}")
     model_type = raw.get("model_type") or ""
+    if not isinstance(model_type, str):
+        raise ValueError(f"config.json key 'model_type' must be a string, got {model_type!r}")
     if "text_config" in raw:
         text = raw["text_config"]
+        if not isinstance(text, dict):
+            raise ValueError(f"config.json key 'text_config' must be an object, got {type(text).__name__}")
         model_type = text.get("model_type") or ("deepseek_v41_text" if model_type == "deepseek_v41" else model_type)
+        if not isinstance(model_type, str):
+            raise ValueError(f"config.json key 'text_config.model_type' must be a string, got {model_type!r}")
         raw = {**text}
     if model_type.startswith("deepseek_v41"):
         arch = "v41"
@@ -319,13 +391,19 @@ def _from_hf_dict(raw: dict[str, Any], **overrides: Any) -> ModelConfig:
             raise ValueError(f"config.json ({model_type}) lacks required key {key!r}")
         return raw[key]
 
-    n_layers = int(need("num_hidden_layers"))
+    n_layers = need("num_hidden_layers")
+    if msg := field_type_problem("n_layers", n_layers, "num_hidden_layers"):
+        raise ValueError(msg)
     ratios = raw.get("compress_ratios")
     if ratios is None:
         raise ValueError("config.json lacks 'compress_ratios' (HF layer_types-only configs are not supported)")
+    if msg := field_type_problem("compress_ratios", ratios, "compress_ratios"):
+        raise ValueError(msg)
     if len(ratios) < n_layers:
         raise ValueError(f"compress_ratios has {len(ratios)} entries < num_hidden_layers {n_layers}")
     rs = raw.get("rope_scaling") or {}
+    if not isinstance(rs, dict):
+        raise ValueError(f"config.json key 'rope_scaling' must be an object, got {rs!r}")
     kw: dict[str, Any] = dict(
         arch=arch, vocab_size=need("vocab_size"), dim=need("hidden_size"), n_layers=n_layers,
         n_heads=need("num_attention_heads"), head_dim=need("head_dim"), rope_head_dim=need("qk_rope_head_dim"),
@@ -344,17 +422,17 @@ def _from_hf_dict(raw: dict[str, Any], **overrides: Any) -> ModelConfig:
         max_position_embeddings=need("max_position_embeddings"),
         bos_token_id=raw.get("bos_token_id", 0), eos_token_id=raw.get("eos_token_id", 1),
     )
-    if isinstance(kw["eos_token_id"], list):
+    if isinstance(kw["eos_token_id"], list) and kw["eos_token_id"]:
         kw["eos_token_id"] = kw["eos_token_id"][0]
     if arch == "v41":
         kw.update(
-            kv_source_layers=tuple(need("kv_source_layer_ids")),
-            index_source_layers=tuple(need("index_source_layer_ids")),
+            kv_source_layers=need("kv_source_layer_ids"),
+            index_source_layers=need("index_source_layer_ids"),
             candidate_source_layer=raw.get("candidate_source_layer_id", -1),
             candidate_topk_blocks=raw.get("candidate_topk_blocks", 2048),
             candidate_block_size=raw.get("candidate_block_size", 8),
-            engram_layers=tuple(raw.get("engram_layer_ids", ())),
-            engram_num_embeddings=tuple(raw.get("engram_num_embeddings", ())),
+            engram_layers=raw.get("engram_layer_ids", ()),
+            engram_num_embeddings=raw.get("engram_num_embeddings", ()),
             engram_max_ngram=raw.get("engram_max_ngram_size", 4),
             engram_vocab_size=raw.get("engram_vocab_size", 16000000),
             engram_n_heads=raw.get("engram_n_heads", 8), engram_head_dim=raw.get("engram_head_dim", 256),
@@ -362,5 +440,10 @@ def _from_hf_dict(raw: dict[str, Any], **overrides: Any) -> ModelConfig:
             engram_pad_id=raw.get("engram_pad_id", raw.get("engram_pad_token_id", 2)),
             engram_compressed_vocab_size=raw.get("engram_compressed_vocab_size", 99092),
         )
+    for name, value in kw.items():  # name the config.json key, before ModelConfig names only its own field
+        if name in _HF_KEYS and (msg := field_type_problem(name, value, _HF_KEYS[name])):
+            raise ValueError(msg)
+        if isinstance(value, list):
+            kw[name] = tuple(value)
     kw.update(overrides)
     return ModelConfig(**kw)

@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -17,8 +18,9 @@ from minidi.model.config import ModelConfig
 from minidi.model.model import Transformer
 from minidi.model.presets import PRESETS, preset
 
-from .checkpoint import load_checkpoint, tiny_checkpoint
+from .checkpoint import CheckpointError, load_checkpoint, tiny_checkpoint
 from .random_weights import random_state_dict
+from .value_scan import scan_values
 
 
 def model_from_tensors(cfg: ModelConfig, tensors: dict[str, torch.Tensor], device: str | torch.device,
@@ -41,6 +43,7 @@ def load_model(
     share_experts: bool = False,
     gate_bias: str | None = None,
     engram_rows: int | None = None,
+    validate_values: bool = False,
     **overrides: Any,
 ) -> Transformer:
     """The public entry point.
@@ -52,6 +55,8 @@ def load_model(
       ``gate_bias`` "zero" (None: the default, balanced routing) or "random" (the old 0.3·N router bias:
       ``random_weights``); ``engram_rows`` holds smaller random Engram tables, hash ids taken modulo).
     ``overrides`` replace config fields (``dtype="float32"``, ``fake_quant=False``, ...).
+    ``validate_values``: scan every weight for NaN / Inf and E8M0 scale byte 255 (``value_scan.scan_values``) and
+    raise ``CheckpointError`` naming the tensors; off by default (it reads every byte).
     """
     if torch.device(device).type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError(f"load_model(..., device={str(device)!r}): no CUDA device is available "
@@ -61,25 +66,41 @@ def load_model(
     if not random and (gate_bias is not None or engram_rows is not None):
         raise ValueError(f"gate_bias / engram_rows choose the random weights of a full-size preset; {name!r} loads "
                          f"a checkpoint's tensors (the tiny ones are made with gate_bias='random')")
-    if Path(name).is_dir():
-        return _from_checkpoint(Path(name), device, overrides)
+    if Path(name).is_dir() or (name not in PRESETS and os.path.lexists(name)):  # the loader says what is wrong
+        return _from_checkpoint(Path(name), device, overrides, validate_values)
     if name not in PRESETS:
         raise ValueError(f"{name!r} is neither a checkpoint directory nor a preset ({', '.join(PRESETS)})")
     if name.startswith("tiny"):
-        return _from_checkpoint(tiny_checkpoint(name, seed=seed), device, {"name": name, **overrides})
+        return _from_checkpoint(tiny_checkpoint(name, seed=seed), device, {"name": name, **overrides},
+                                validate_values)
     cfg = preset(name, **overrides)
     tensors = random_state_dict(cfg, seed=seed, device=device, share_experts=share_experts,
                                 gate_bias=gate_bias or "zero", engram_rows=engram_rows)
+    if validate_values:
+        problems = scan_values(tensors)
+        if problems:
+            raise CheckpointError(Path(name), problems)
     return model_from_tensors(cfg, tensors, device, engram_rows=engram_rows)
 
 
-def _from_checkpoint(path: Path, device: str | torch.device, overrides: dict[str, Any]) -> Transformer:
-    """Load a checkpoint folder; with ``ep_size > 1`` only this rank's experts are read from disk."""
-    cfg = ModelConfig.from_hf_config(path) if (path / "config.json").is_file() else None
+def _from_checkpoint(path: Path, device: str | torch.device, overrides: dict[str, Any],
+                     validate_values: bool = False) -> Transformer:
+    """Load a checkpoint folder; with ``ep_size > 1`` only this rank's experts are read from disk.
+
+    The config is read here (to apply ``overrides`` and pick the rank's experts) only when it parses; otherwise
+    ``load_checkpoint`` reports it together with every other problem in one ``CheckpointError``."""
+    cfg = None
+    if (path / "config.json").is_file():
+        try:
+            cfg = ModelConfig.from_hf_config(path)
+        except Exception:  # noqa: BLE001 - load_checkpoint reports it, naming the key
+            cfg = None
+        if cfg is None:
+            load_checkpoint(path, validate_values=validate_values)  # raises, listing the config problem
     if cfg is not None and overrides:
         cfg = cfg.with_(**overrides)
     only = rank_experts_only(cfg) if cfg is not None and cfg.ep_size > 1 else None
-    cfg, tensors = load_checkpoint(path, cfg=cfg, device="cpu", only=only)
+    cfg, tensors = load_checkpoint(path, cfg=cfg, device="cpu", only=only, validate_values=validate_values)
     return model_from_tensors(cfg, tensors, device)
 
 

@@ -5,17 +5,27 @@
 - ``load_checkpoint``: stream tensors shard by shard with ``safe_open`` (memory-mapped; one tensor materialised at a
   time), validate against ``expected_tensors(cfg)`` and raise ONE ``CheckpointError`` listing every problem.
   MTP / DSpark / vision names (``weight_table.SKIPPED_PREFIXES``) are skipped, not unexpected.
+
+A checkpoint folder is untrusted input (a 290 GB download can be damaged or hostile): the loader reads only files
+inside the folder (index entries that are absolute or climb out with ``..`` are refused; a symlinked shard must
+resolve inside the folder or, for the Hugging Face cache layout ``<repo>/snapshots/<rev>/``, inside ``<repo>/blobs``),
+reports tensors in a shard that the index does not name, names the tensor or file in every decode error (the
+header is re-parsed to say which entry is bad), tells a missing file from an unreadable one or a symlink loop, and
+checks ``tid2eid`` ids. ``validate_values=True`` also scans every value (NaN / Inf, E8M0 scale byte 255), see
+``scan_values``.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
 import shutil
+import stat
 import uuid
 from collections.abc import Callable
-from pathlib import Path
+from pathlib import Path, PurePosixPath, PureWindowsPath
 
 import torch
 from safetensors import safe_open
@@ -23,6 +33,8 @@ from safetensors.torch import save_file
 
 from minidi.model.config import ModelConfig
 from minidi.model.presets import preset
+from minidi.runtime.safetensors_header import diagnose_header
+from minidi.runtime.value_scan import scan_values
 from minidi.runtime.weight_table import TensorSpec, expected_tensors, is_skipped_name
 
 log = logging.getLogger(__name__)
@@ -156,12 +168,95 @@ def _config_text(path: Path) -> str | None:
 
 
 # ---- loading --------------------------------------------------------------------------------------------------------
+def _probe(p: Path) -> str | None:
+    """Why ``p`` cannot be read as a file (``missing``, a symlink loop, unreadable, not a file), or None."""
+    try:
+        st = os.stat(p)
+    except FileNotFoundError:
+        if os.path.islink(p):
+            return f"is a broken symlink (to {os.readlink(p)})"
+        return "is missing"
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            return "is a symlink loop"
+        return f"is unreadable ({e.strerror or e})"
+    if not stat.S_ISREG(st.st_mode):
+        return "is not a regular file" + (" (a directory)" if stat.S_ISDIR(st.st_mode) else "")
+    try:
+        os.close(os.open(p, os.O_RDONLY))
+    except OSError as e:
+        return f"is unreadable ({e.strerror or e})"
+    return None
+
+
+def _probe_dir(p: Path) -> str | None:
+    """Why the checkpoint folder cannot be used, or None."""
+    try:
+        st = os.stat(p)
+    except FileNotFoundError:
+        return f"checkpoint folder {p} does not exist" + (" (broken symlink)" if os.path.islink(p) else "")
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            return f"checkpoint folder {p} is a symlink loop"
+        return f"checkpoint folder {p} is unreadable ({e.strerror or e})"
+    if not stat.S_ISDIR(st.st_mode):
+        return f"not a directory: {p}"
+    try:
+        os.listdir(p)
+    except OSError as e:
+        return f"checkpoint folder {p} is unreadable ({e.strerror or e})"
+    return None
+
+
+def _allowed_roots(path: Path) -> list[Path]:
+    """Where the files of a checkpoint may live: the folder itself, plus ``<repo>/blobs`` for the Hugging Face cache
+    layout (``<repo>/snapshots/<rev>/<file>`` are symlinks to ``../../blobs/<sha>``)."""
+    roots = [Path(os.path.realpath(path))]
+    if path.absolute().parent.name == "snapshots":
+        roots.append(Path(os.path.realpath(path.absolute().parent.parent / "blobs")))
+    return roots
+
+
+def _member(path: Path, rel: str, roots: list[Path]) -> str | None:
+    """Why the index entry ``rel`` does not name a file inside the checkpoint folder, or None."""
+    if not rel or "\x00" in rel:
+        return "is empty or holds a NUL byte"
+    if PurePosixPath(rel).is_absolute() or PureWindowsPath(rel).is_absolute() or PureWindowsPath(rel).drive:
+        return "is an absolute path (shards must be named relative to the checkpoint folder)"
+    if ".." in PurePosixPath(rel.replace("\\", "/")).parts:
+        return "climbs out of the checkpoint folder with '..'"
+    real = Path(os.path.realpath(path / rel))  # never raises on a loop (_probe reports those)
+    if not any(real == r or r in real.parents for r in roots):
+        return f"resolves outside the checkpoint folder (to {real})"
+    return None
+
+
+def _read_file(path: Path, name: str, problems: list[str]) -> bool:
+    """True if ``path / name`` is a readable file inside the folder; else the reason goes to ``problems``."""
+    why = _probe(path / name)
+    if why is None:
+        why = _member(path, name, _allowed_roots(path))
+    if why is not None:
+        problems.append(f"{name} {why}")
+    return why is None
+
+
+def _no_duplicate_keys(pairs: list[tuple[str, object]]) -> dict:
+    keys = [k for k, _ in pairs]
+    dups = sorted({k for k in keys if keys.count(k) > 1}) if len(set(keys)) != len(keys) else []
+    if dups:
+        raise ValueError(f"duplicate names {dups[:_MAX_LISTED]}")
+    return dict(pairs)
+
+
 def _read_weight_map(path: Path, problems: list[str]) -> dict[str, str] | None:
     """name -> shard file from the index, or the names of a single ``model.safetensors``; None if unusable."""
     index = path / INDEX_NAME
-    if index.is_file():
+    if os.path.lexists(index):
+        if not _read_file(path, INDEX_NAME, problems):
+            return None
         try:
-            raw = json.loads(index.read_text())
+            raw = json.loads(index.read_bytes().decode("utf-8"), object_pairs_hook=_no_duplicate_keys)
         except (OSError, ValueError) as e:
             problems.append(f"unreadable index {INDEX_NAME}: {e}")
             return None
@@ -170,15 +265,23 @@ def _read_weight_map(path: Path, problems: list[str]) -> dict[str, str] | None:
             problems.append(f"malformed index {INDEX_NAME}: needs a 'weight_map' object of name -> shard file")
             return None
         return wm
-    if (path / SINGLE_NAME).is_file():
+    if os.path.lexists(path / SINGLE_NAME):
+        if not _read_file(path, SINGLE_NAME, problems):
+            return None
         try:
             with safe_open(str(path / SINGLE_NAME), framework="pt") as f:
                 return {k: SINGLE_NAME for k in f.keys()}
         except Exception as e:  # noqa: BLE001 - safetensors raises several error types for bad files
-            problems.append(f"corrupt shard {SINGLE_NAME}: {e}")
+            problems.append(f"corrupt shard {SINGLE_NAME}: {_header_detail(path / SINGLE_NAME, e)}")
             return None
     problems.append(f"no {INDEX_NAME} and no {SINGLE_NAME} in {path}")
     return None
+
+
+def _header_detail(fpath: Path, e: Exception) -> str:
+    """safetensors' message plus our own reading of the header, which names the bad tensor entries."""
+    detail = diagnose_header(fpath)
+    return f"{type(e).__name__}: {e}" + ("; " + "; ".join(detail) if detail else "")
 
 
 def _listed(title: str, items: list[str]) -> str:
@@ -193,26 +296,33 @@ def load_checkpoint(
     device: torch.device | str = "cpu",
     only: Callable[[str], bool] | None = None,
     skipped: list[str] | None = None,
+    validate_values: bool = False,
 ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """Load and validate a checkpoint folder; returns ``(cfg, {official name: tensor on device})``.
 
     cfg: overrides ``config.json`` (which is then optional); otherwise read with ``ModelConfig.from_hf_config``.
     only: predicate on names; tensors it rejects are neither read nor reported missing (e.g. one rank's experts).
     skipped: if given, receives the names skipped as outside the text backbone (``mtp.``, ``vision.``, ...).
+    validate_values: also scan every loaded value (``scan_values``: NaN / Inf, E8M0 scale byte 255); off by default
+    because it reads every byte (minutes at full size).
     Raises ``CheckpointError`` (a ValueError) listing every problem: missing / unexpected / misshaped / wrong-dtype
-    tensors, missing or corrupt shard files, names in the index absent from their shard, bad index or config.
+    tensors, missing, unreadable, looping or corrupt shard files (naming the tensor entry where the header is bad),
+    names in the index absent from their shard and tensors in a shard absent from the index, index entries outside
+    the folder, bad index or config (naming the key), ``tid2eid`` ids outside the experts, bad values when asked.
     """
     path = Path(path)
     problems: list[str] = []
-    if not path.is_dir():
-        raise CheckpointError(path, [f"not a directory: {path}"])
+    bad_dir = _probe_dir(path)
+    if bad_dir:
+        raise CheckpointError(path, [bad_dir])
     if cfg is None:
-        try:
-            cfg = ModelConfig.from_hf_config(path)
-        except FileNotFoundError:
+        if not os.path.lexists(path / "config.json"):
             problems.append(f"missing config.json in {path}")
-        except (ValueError, KeyError, TypeError) as e:
-            problems.append(f"bad config.json: {e}")
+        elif _read_file(path, "config.json", problems):
+            try:
+                cfg = ModelConfig.from_hf_config(path)
+            except Exception as e:  # noqa: BLE001 - any malformed value: report it with the rest
+                problems.append(f"bad config.json: {e}")
     table: dict[str, TensorSpec] | None = expected_tensors(cfg) if cfg is not None else None
     wanted = (lambda n: True) if only is None else only
     weight_map = _read_weight_map(path, problems)
@@ -225,6 +335,7 @@ def load_checkpoint(
     by_shard: dict[str, list[str]] = {}
     for name, shard in (weight_map or {}).items():
         by_shard.setdefault(shard, []).append(name)
+    roots = _allowed_roots(path)
     for shard, names in by_shard.items():
         todo = []
         for n in names:
@@ -236,16 +347,23 @@ def load_checkpoint(
                 unexpected.append(n)
             else:
                 todo.append(n)
-        if not todo:
+        outside = _member(path, shard, roots)
+        if outside is not None:  # checked before touching the file: never read outside the folder
+            problems.append(_listed(f"index entry {shard!r} {outside}; refused for tensors", names))
             continue
         fpath = path / shard
-        if not fpath.is_file():
-            problems.append(_listed(f"index points at missing shard file {shard} for tensors", todo))
+        why = _probe(fpath)
+        if why is not None and not todo:
+            continue  # nothing needed from it (only skipped / other ranks' tensors): as before, not an error
+        if why is not None:
+            title = (f"index points at missing shard file {shard} for tensors" if why == "is missing"
+                     else f"shard file {shard} {why}; cannot read tensors")
+            problems.append(_listed(title, todo))
             continue
         try:
-            _read_shard(fpath, todo, table, device, out, misshaped, wrong_dtype, problems)
+            _read_shard(fpath, set(names), todo, table, wanted, device, out, misshaped, wrong_dtype, problems)
         except Exception as e:  # noqa: BLE001 - header/truncation errors come as SafetensorError, OSError, ...
-            problems.append(f"corrupt shard {shard}: {type(e).__name__}: {e}")
+            problems.append(f"corrupt shard {shard}: {_header_detail(fpath, e)}")
 
     if table is not None and weight_map is not None:
         listed = set(weight_map)
@@ -258,6 +376,10 @@ def load_checkpoint(
         problems.append(_listed("misshaped tensors (name: expected -> got)", misshaped))
     if wrong_dtype:
         problems.append(_listed("wrong dtype (name: expected -> got)", wrong_dtype))
+    if cfg is not None:
+        problems.extend(_check_tid2eid(cfg, out))
+    if validate_values:
+        problems.extend(scan_values(out))
     if skip:
         prefixes = sorted({n.split(".")[0] for n in skip})
         log.info("skipped %d tensors outside the text backbone (%s)", len(skip), ", ".join(prefixes))
@@ -271,27 +393,40 @@ def load_checkpoint(
 
 def _read_shard(
     fpath: Path,
+    indexed: set[str],
     names: list[str],
     table: dict[str, TensorSpec] | None,
+    wanted: Callable[[str], bool],
     device: torch.device | str,
     out: dict[str, torch.Tensor],
     misshaped: list[str],
     wrong_dtype: list[str],
     problems: list[str],
 ) -> None:
-    """Check each tensor's header entry against the table, then materialise it on ``device`` (one at a time)."""
+    """Check each tensor's header entry against the table, then materialise it on ``device`` (one at a time).
+
+    ``indexed``: every name the index puts in this shard; other tensors found in it are reported (a shard holding
+    tensors that the index does not know is a mixed-up or tampered download, and they would be silently ignored)."""
     dev = str(torch.device(device))
+    shard = fpath.name
     with safe_open(str(fpath), framework="pt", device=dev) as f:
         present = set(f.keys())
         absent = [n for n in names if n not in present]
         if absent:
-            problems.append(_listed(f"tensors named in the index but absent from shard {fpath.name}", absent))
+            problems.append(_listed(f"tensors named in the index but absent from shard {shard}", absent))
+        extra = sorted(n for n in present - indexed if not is_skipped_name(n) and wanted(n))
+        if extra:
+            problems.append(_listed(f"unexpected tensors in shard {shard} that the index does not name", extra))
         for n in names:
             if n not in present:
                 continue
             if table is not None:
-                sl = f.get_slice(n)
-                shape, dt = tuple(sl.get_shape()), sl.get_dtype()
+                try:
+                    sl = f.get_slice(n)
+                    shape, dt = tuple(sl.get_shape()), sl.get_dtype()
+                except Exception as e:  # noqa: BLE001 - safetensors errors do not name the tensor
+                    problems.append(f"tensor {n} in shard {shard}: unreadable header entry: {type(e).__name__}: {e}")
+                    continue
                 spec = table[n]
                 ok = True
                 if shape != spec.shape:
@@ -302,4 +437,18 @@ def _read_shard(
                     ok = False
                 if not ok:
                     continue
-                out[n] = f.get_tensor(n)  # without a config nothing can be validated: headers only
+                try:
+                    out[n] = f.get_tensor(n)  # without a config nothing can be validated: headers only
+                except Exception as e:  # noqa: BLE001 - e.g. a read error on a damaged disk: name the tensor
+                    problems.append(f"tensor {n} in shard {shard}: cannot read its data: {type(e).__name__}: {e}")
+
+
+def _check_tid2eid(cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> list[str]:
+    """Hash-routing tables must name experts that exist (else the MoE fails later with a bare index error)."""
+    bad = []
+    for n, t in tensors.items():
+        if n.endswith(".ffn.gate.tid2eid") and t.numel():
+            lo, hi = int(t.min()), int(t.max())
+            if lo < 0 or hi >= cfg.n_routed_experts:
+                bad.append(f"{n} (min {lo}, max {hi})")
+    return [_listed(f"tid2eid expert ids outside [0, n_routed_experts={cfg.n_routed_experts})", bad)] if bad else []
