@@ -23,6 +23,7 @@ from safetensors.torch import save_file
 
 from minidi.model.config import ModelConfig
 from minidi.model.presets import preset
+from minidi.runtime import tiny_tokenizer
 from minidi.runtime.weight_table import TensorSpec, expected_tensors, is_skipped_name
 
 log = logging.getLogger(__name__)
@@ -123,12 +124,13 @@ def tiny_checkpoint(preset_name: str = "tiny-v41", seed: int = 0, cache_dir: str
     root = Path(cache_dir) if cache_dir is not None else default_cache_root()
     final = root / f"{preset_name}-seed{seed}"
     want = json.dumps(cfg.to_hf_dict(), sort_keys=True)
-    if (final / INDEX_NAME).is_file() and _config_text(final) == want:
-        return final
+    if (final / INDEX_NAME).is_file() and _config_text(final) == want and tiny_tokenizer.is_current(final):
+        return final  # (a cache from before the tokenizer shipped, or of an older one, is rebuilt)
     root.mkdir(parents=True, exist_ok=True)
     tmp = root / f".{final.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
         write_checkpoint(tmp, cfg, random_state_dict(cfg, seed=seed), max_shard_bytes=2 << 20)
+        tiny_tokenizer.write_tiny_tokenizer(tmp)  # tokenizer.json + tokenizer_config.json, as a release has
         if final.exists():  # stale (preset changed): move aside, then swap in
             old = root / f".{final.name}.old-{uuid.uuid4().hex[:8]}"
             try:
@@ -139,7 +141,8 @@ def tiny_checkpoint(preset_name: str = "tiny-v41", seed: int = 0, cache_dir: str
         try:
             tmp.rename(final)
         except OSError:
-            if not ((final / INDEX_NAME).is_file() and _config_text(final) == want):
+            if not ((final / INDEX_NAME).is_file() and _config_text(final) == want
+                    and tiny_tokenizer.is_current(final)):
                 raise  # not a benign race with an identical writer
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

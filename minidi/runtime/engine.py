@@ -4,7 +4,7 @@ greedy generation, one (optionally compiled) model step.
     engine = Engine(model, max_batch_tokens=4096, max_seqs=16, cache_tokens=1 << 20, compile=True)
     prefix = engine.cache_prefix(system_prompt_ids)              # prefilled once, shared without copying
     results = engine.prefill([Request(ids_a, prefix=prefix), Request(ids_b)])   # logits of each last position
-    texts = engine.generate([prompt_1, prompt_2], max_new_tokens=32)
+    results = engine.generate([prompt_1, prompt_2], max_new_tokens=32)   # ids or text: "Hello" -> .text
 
 Each step packs chunks of several sequences (no padding) up to ``max_batch_tokens``; all metadata is built on the
 host before the step (``batch.build_step``). When the cache budget runs out, the most recently admitted sequence
@@ -42,6 +42,7 @@ class Request:
     all_logits: bool = False  # return logits of every new position, not only the last
     max_new_tokens: int = 0  # > 0: greedy generation after the prompt
     request_id: Any = None
+    stop_tokens: tuple[int, ...] = ()  # generation ends after one of these (EOS for text prompts)
 
 
 @dataclass
@@ -51,6 +52,7 @@ class Result:
     tokens: list[int] = field(default_factory=list)  # generated tokens
     error: str | None = None
     preemptions: int = 0
+    text: str | None = None  # the generated tokens decoded (text prompts, or ids when the model has a tokenizer)
 
 
 @dataclass
@@ -78,6 +80,7 @@ class Engine:
         passes: str | list[str] | None = "none",
     ) -> None:
         self.model, self.cfg = model, model.cfg
+        self.tokenizer = getattr(model, "tokenizer", None)  # runtime.tokenizer.TextTokenizer (load_model sets it)
         self.device = model.embed.weight.device
         self.max_batch_tokens = max_batch_tokens
         self.cache = CacheManager(self.cfg, max_slots=max_seqs, max_tokens=cache_tokens, page_size=page_size,
@@ -141,10 +144,25 @@ class Engine:
         self._run(seqs, keep=False)
         return out
 
-    def generate(self, prompts: list[list[int]], max_new_tokens: int, prefix: PrefixHandle | None = None
-                 ) -> list[Result]:
-        """Greedy generation (decoding as one-token steps) for several prompts at once."""
-        return self.prefill([Request(p, prefix=prefix, max_new_tokens=max_new_tokens) for p in prompts])
+    def generate(self, prompts: list[list[int] | str], max_new_tokens: int, prefix: PrefixHandle | None = None,
+                 stop_at_eos: bool | None = None) -> list[Result]:
+        """Greedy generation (decoding as one-token steps) for several prompts at once.
+
+        A prompt is token ids or a ``str``: text is encoded by the model's tokenizer (BOS first unless it continues
+        ``prefix``) and results carry ``.text``, the generated tokens decoded without special tokens. Generation
+        stops after EOS when ``stop_at_eos`` (default: for text prompts only; id prompts keep their exact count).
+        """
+        from .text import text_requests
+
+        reqs = text_requests(self.tokenizer, prompts, max_new_tokens, prefix, stop_at_eos)
+        return self._with_text(self.prefill(reqs))
+
+    def _with_text(self, results: list[Result]) -> list[Result]:
+        if self.tokenizer is not None:
+            for r in results:
+                if r.error is None:
+                    r.text = self.tokenizer.decode(r.tokens)
+        return results
 
     # ---- scheduling --------------------------------------------------------------------------------------------
     def _new_seq(self, req: Request) -> _Seq:
@@ -165,6 +183,8 @@ class Engine:
         seq.result.preemptions += 1
 
     def _done(self, seq: _Seq) -> bool:
+        if seq.result.tokens and seq.result.tokens[-1] in seq.req.stop_tokens:
+            return True  # stopped (EOS): the stop token itself is not prefilled
         return seq.cache.length == len(seq.tokens) and len(seq.result.tokens) >= seq.req.max_new_tokens
 
     def _run(self, seqs: list[_Seq], keep: bool) -> None:
