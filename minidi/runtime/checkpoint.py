@@ -24,6 +24,7 @@ from safetensors.torch import save_file
 from minidi.model.config import ModelConfig
 from minidi.model.presets import preset
 from minidi.runtime import tiny_tokenizer
+from minidi.runtime.stream_load import TensorReader
 from minidi.runtime.weight_table import TensorSpec, expected_tensors, is_skipped_name
 
 log = logging.getLogger(__name__)
@@ -194,12 +195,15 @@ def load_checkpoint(
     device: torch.device | str = "cpu",
     only: Callable[[str], bool] | None = None,
     skipped: list[str] | None = None,
+    reader: TensorReader | None = None,
 ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """Load and validate a checkpoint folder; returns ``(cfg, {official name: tensor on device})``.
 
     cfg: overrides ``config.json`` (which is then optional); otherwise read with ``ModelConfig.from_hf_config``.
     only: predicate on names; tensors it rejects are neither read nor reported missing (e.g. one rank's experts).
     skipped: if given, receives the names skipped as outside the text backbone (``mtp.``, ``vision.``, ...).
+    reader: streams the validated tensors to their device (``stream_load.TensorReader``; default one for ``device``:
+    each tensor goes from its shard straight to ``device``, host memory bounded, progress lines for long loads).
     Raises ``CheckpointError`` (a ValueError) listing every problem: missing / unexpected / misshaped / wrong-dtype
     tensors, missing or corrupt shard files, names in the index absent from their shard, bad index or config.
     """
@@ -217,6 +221,9 @@ def load_checkpoint(
     table: dict[str, TensorSpec] | None = expected_tensors(cfg) if cfg is not None else None
     wanted = (lambda n: True) if only is None else only
     weight_map = _read_weight_map(path, problems)
+    reader = reader if reader is not None else TensorReader(device)
+    if table is not None:
+        reader.begin(sum(table[n].nbytes for n in weight_map or {} if n in table and wanted(n)))
 
     out: dict[str, torch.Tensor] = {}
     skip: list[str] = []
@@ -244,10 +251,11 @@ def load_checkpoint(
             problems.append(_listed(f"index points at missing shard file {shard} for tensors", todo))
             continue
         try:
-            _read_shard(fpath, todo, table, device, out, misshaped, wrong_dtype, problems)
+            _read_shard(fpath, todo, table, device, out, misshaped, wrong_dtype, problems, reader)
         except Exception as e:  # noqa: BLE001 - header/truncation errors come as SafetensorError, OSError, ...
             problems.append(f"corrupt shard {shard}: {type(e).__name__}: {e}")
 
+    reader.finish()
     if table is not None and weight_map is not None:
         listed = set(weight_map)
         missing = [n for n in table if n not in listed and wanted(n)]
@@ -279,15 +287,16 @@ def _read_shard(
     misshaped: list[str],
     wrong_dtype: list[str],
     problems: list[str],
+    reader: TensorReader,
 ) -> None:
     """Check each tensor's header entry against the table, then materialise it on ``device`` (one at a time)."""
     dev = str(torch.device(device))
-    with safe_open(str(fpath), framework="pt", device=dev) as f:
+    with safe_open(str(fpath), framework="pt", device=dev) as f, reader.shard(fpath) as r:
         present = set(f.keys())
         absent = [n for n in names if n not in present]
         if absent:
             problems.append(_listed(f"tensors named in the index but absent from shard {fpath.name}", absent))
-        for n in names:
+        for n in r.file_order(names):  # sequential reads
             if n not in present:
                 continue
             if table is not None:
@@ -303,4 +312,4 @@ def _read_shard(
                     ok = False
                 if not ok:
                     continue
-                out[n] = f.get_tensor(n)  # without a config nothing can be validated: headers only
+                out[n] = r.read(n)  # without a config nothing can be validated: headers only

@@ -76,12 +76,15 @@ def load_tokenizer(folder: str | Path, cfg: Any = None) -> TextTokenizer | None:
     config's ``bos_token_id`` / ``eos_token_id`` (``cfg``) when the config file is absent or names none.
     Raises ValueError for an unreadable file, naming it.
     """
-    from tokenizers import Tokenizer
-
     folder = Path(folder)
     path = folder / TOKENIZER_FILE
     if not path.is_file():
         return None
+    try:
+        from tokenizers import Tokenizer
+    except ImportError as e:
+        raise ImportError(f"reading {path} needs the 'tokenizers' package (a minidi dependency: pip install "
+                          f"tokenizers)") from e
     try:
         backend = Tokenizer.from_file(str(path))
     except Exception as e:  # noqa: BLE001 - tokenizers raises a bare Exception for bad JSON / unknown models
