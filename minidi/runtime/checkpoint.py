@@ -2,8 +2,9 @@
 
 - ``write_checkpoint``: shard a state dict the way the release is laid out (official names, no ``model.`` prefix).
 - ``tiny_checkpoint``: the embedded default model, written once into a cache folder (atomically) and reused.
-- ``load_checkpoint``: stream tensors shard by shard with ``safe_open`` (memory-mapped; one tensor materialised at a
-  time), validate against ``expected_tensors(cfg)`` and raise ONE ``CheckpointError`` listing every problem.
+- ``load_checkpoint``: stream tensors shard by shard (headers checked with ``safe_open``; bytes read by
+  ``stream_load.TensorReader`` straight into the device tensor, one at a time, in file order), validate against
+  ``expected_tensors(cfg)`` and raise ONE ``CheckpointError`` listing every problem.
   MTP / DSpark / vision names (``weight_table.SKIPPED_PREFIXES``) are skipped, not unexpected.
 """
 
