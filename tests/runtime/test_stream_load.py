@@ -106,3 +106,25 @@ def test_validation_still_first(ckpt, tmp_path):
 def test_reader_rejects_bad_chunk():
     with pytest.raises(ValueError, match="chunk_bytes"):
         TensorReader(chunk_bytes=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("chunk", [4096, 64 << 20])
+def test_cuda_stream_matches_cpu(ckpt, reference, chunk):
+    """The device path: pinned double buffer, async copies; bit-identical to the file, staging bounded."""
+    reader = TensorReader("cuda", chunk_bytes=chunk, progress=False)
+    _, tensors = load_checkpoint(ckpt, device="cuda", reader=reader)
+    assert reader.peak_staging_bytes == 2 * chunk
+    for n, t in tensors.items():
+        assert t.is_cuda and torch.equal(_bits(t.cpu()), _bits(reference[n])), n
+
+
+@pytest.mark.gpu
+def test_load_model_cuda_streams(ckpt):
+    import minidi
+
+    gpu = minidi.load_model("tiny-v41", device="cuda", dtype="float32", fake_quant=False)
+    cpu = minidi.load_model("tiny-v41", dtype="float32", fake_quant=False)
+    assert gpu.tokenizer is not None and gpu.engram_token_map.is_cuda
+    for (n, a), (_, b) in zip(gpu.state_dict().items(), cpu.state_dict().items()):
+        assert torch.equal(_bits(a.cpu()), _bits(b)), n
