@@ -7,8 +7,9 @@ with the first member (ids 0..63) first in id order. So ``build_token_map(tiny t
 documented test map ``id % 64`` (``engram_hash.test_token_map(512, 64)``): loading the tiny checkpoint through its
 tokenizer keeps its Engram hash ids, and so its logits, goldens and spec references, bit for bit.
 
-    classes 0-2   specials <｜begin▁of▁sentence｜> (BOS), <｜end▁of▁sentence｜> (EOS), <｜▁pad▁｜> (pad), as in the
-                  release; their other members are case / width / leading-space variants (never produced by merges)
+    classes 0-2   specials <｜begin▁of▁sentence｜> (BOS), <｜end▁of▁sentence｜> (EOS), <｜▁pad▁｜> (pad),
+                  as in the release; their other members are case / width / leading-space variants (never
+                  produced by merges)
     class   3     whitespace: " ", "\\n", "\\t", "\\r", "  ", "\\n\\n", "\\r\\n", "    "
     classes 4-29  letters a-z: a, A, " a", " A" and their fullwidth forms (NFKC folds them)
     classes 30-63 digits and 24 punctuation marks: c, " c", fullwidth c, " "+fullwidth, "\\n"/"\\t" + c / fullwidth

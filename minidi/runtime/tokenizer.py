@@ -130,7 +130,8 @@ def install_tokenizer(model: Any, folder: str | Path | None, token_map: Any = No
     if isinstance(token_map, str):
         if token_map != "test":
             raise ValueError(f"token_map must be None, 'test' or a tensor, got {token_map!r}")
-        log.info("Engram: the documented test token map (id mod %d), not a tokenizer's", cfg.engram_compressed_vocab_size)
+        log.info("Engram: the documented test token map (id mod %d), not a tokenizer's",
+                 cfg.engram_compressed_vocab_size)
         return  # the model was built with it (Transformer._register_engram_buffers)
     if token_map is None:
         if tok is None:
