@@ -70,12 +70,13 @@ def build_token_map(tokenizer: Any) -> torch.Tensor:
 
 
 def check_token_map(token_map: torch.Tensor, cfg: ModelConfig) -> None:
-    """Raise ``ValueError`` unless ``token_map`` has exactly ``cfg.engram_compressed_vocab_size`` distinct ids.
+    """Raise ``ValueError`` unless ``token_map`` has exactly ``cfg.engram_compressed_vocab_size`` distinct ids
+    (``DEAD`` entries not counted).
 
     The multipliers' bound and every trained bucket depend on that count; a wrong tokenizer (or a changed
     normaliser) would silently send every n-gram to the wrong rows.
     """
-    distinct = int(torch.unique(token_map).numel())
+    distinct = int(torch.unique(token_map[token_map != DEAD]).numel())  # DEAD (no text n-gram) is not an id
     if distinct != cfg.engram_compressed_vocab_size:
         raise ValueError(
             f"compressed token map has {distinct} distinct ids (from {token_map.numel()} tokens), but the config's "

@@ -20,6 +20,7 @@ from minidi.model.presets import PRESETS, preset
 
 from .checkpoint import CheckpointError, load_checkpoint, tiny_checkpoint
 from .random_weights import random_state_dict
+from .tokenizer import install_tokenizer
 from .value_scan import scan_values
 
 
@@ -44,6 +45,7 @@ def load_model(
     gate_bias: str | None = None,
     engram_rows: int | None = None,
     validate_values: bool = False,
+    token_map: str | torch.Tensor | None = None,
     **overrides: Any,
 ) -> Transformer:
     """The public entry point.
@@ -57,6 +59,12 @@ def load_model(
     ``overrides`` replace config fields (``dtype="float32"``, ``fake_quant=False``, ...).
     ``validate_values``: scan every weight for NaN / Inf and E8M0 scale byte 255 (``value_scan.scan_values``) and
     raise ``CheckpointError`` naming the tensors; off by default (it reads every byte).
+
+    Tokenizer and Engram map (``runtime.tokenizer``): a folder's ``tokenizer.json`` becomes ``model.tokenizer``
+    (text in / out) and, for V4.1, the source of the Engram token map; a V4.1 folder without one is refused unless
+    ``token_map`` is given (a tensor, or ``"test"``). The tiny checkpoints ship a tokenizer whose map equals the test
+    map. Note: the full-size random-weight presets have no tokenizer and keep the test map (``id mod C``).
+    Tensors stream from the shards straight to ``device`` (``runtime.stream_load``).
     """
     if torch.device(device).type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError(f"load_model(..., device={str(device)!r}): no CUDA device is available "
@@ -67,12 +75,12 @@ def load_model(
         raise ValueError(f"gate_bias / engram_rows choose the random weights of a full-size preset; {name!r} loads "
                          f"a checkpoint's tensors (the tiny ones are made with gate_bias='random')")
     if Path(name).is_dir() or (name not in PRESETS and os.path.lexists(name)):  # the loader says what is wrong
-        return _from_checkpoint(Path(name), device, overrides, validate_values)
+        return _from_checkpoint(Path(name), device, overrides, validate_values, token_map)
     if name not in PRESETS:
         raise ValueError(f"{name!r} is neither a checkpoint directory nor a preset ({', '.join(PRESETS)})")
     if name.startswith("tiny"):
         return _from_checkpoint(tiny_checkpoint(name, seed=seed), device, {"name": name, **overrides},
-                                validate_values)
+                                validate_values, token_map)
     cfg = preset(name, **overrides)
     tensors = random_state_dict(cfg, seed=seed, device=device, share_experts=share_experts,
                                 gate_bias=gate_bias or "zero", engram_rows=engram_rows)
@@ -80,11 +88,13 @@ def load_model(
         problems = scan_values(tensors)
         if problems:
             raise CheckpointError(Path(name), problems)
-    return model_from_tensors(cfg, tensors, device, engram_rows=engram_rows)
+    model = model_from_tensors(cfg, tensors, device, engram_rows=engram_rows)
+    install_tokenizer(model, None, "test" if token_map is None else token_map)  # random weights: the test map
+    return model
 
 
 def _from_checkpoint(path: Path, device: str | torch.device, overrides: dict[str, Any],
-                     validate_values: bool = False) -> Transformer:
+                     validate_values: bool = False, token_map: str | torch.Tensor | None = None) -> Transformer:
     """Load a checkpoint folder; with ``ep_size > 1`` only this rank's experts are read from disk.
 
     The config is read here (to apply ``overrides`` and pick the rank's experts) only when it parses; otherwise
@@ -100,8 +110,11 @@ def _from_checkpoint(path: Path, device: str | torch.device, overrides: dict[str
     if cfg is not None and overrides:
         cfg = cfg.with_(**overrides)
     only = rank_experts_only(cfg) if cfg is not None and cfg.ep_size > 1 else None
-    cfg, tensors = load_checkpoint(path, cfg=cfg, device="cpu", only=only, validate_values=validate_values)
-    return model_from_tensors(cfg, tensors, device)
+    cfg, tensors = load_checkpoint(path, cfg=cfg, device=device, only=only,  # streamed straight to the device
+                                   validate_values=validate_values)
+    model = model_from_tensors(cfg, tensors, device)
+    install_tokenizer(model, path, token_map)
+    return model
 
 
 _EXPERT = re.compile(r"\.ffn\.experts\.(\d+)\.")

@@ -2,8 +2,9 @@
 
 - ``write_checkpoint``: shard a state dict the way the release is laid out (official names, no ``model.`` prefix).
 - ``tiny_checkpoint``: the embedded default model, written once into a cache folder (atomically) and reused.
-- ``load_checkpoint``: stream tensors shard by shard with ``safe_open`` (memory-mapped; one tensor materialised at a
-  time), validate against ``expected_tensors(cfg)`` and raise ONE ``CheckpointError`` listing every problem.
+- ``load_checkpoint``: stream tensors shard by shard (headers checked with ``safe_open``; bytes read by
+  ``stream_load.TensorReader`` straight into the device tensor, one at a time, in file order), validate against
+  ``expected_tensors(cfg)`` and raise ONE ``CheckpointError`` listing every problem.
   MTP / DSpark / vision names (``weight_table.SKIPPED_PREFIXES``) are skipped, not unexpected.
 
 A checkpoint folder is untrusted input (a 290 GB download can be damaged or hostile): the loader reads only files
@@ -35,6 +36,8 @@ from minidi.model.config import ModelConfig
 from minidi.model.presets import preset
 from minidi.runtime.safetensors_header import diagnose_header
 from minidi.runtime.value_scan import scan_values
+from minidi.runtime import tiny_tokenizer
+from minidi.runtime.stream_load import TensorReader
 from minidi.runtime.weight_table import TensorSpec, expected_tensors, is_skipped_name
 
 log = logging.getLogger(__name__)
@@ -135,14 +138,15 @@ def tiny_checkpoint(preset_name: str = "tiny-v41", seed: int = 0, cache_dir: str
     root = Path(cache_dir) if cache_dir is not None else default_cache_root()
     final = root / f"{preset_name}-seed{seed}"
     want = json.dumps(cfg.to_hf_dict(), sort_keys=True)
-    if (final / INDEX_NAME).is_file() and _config_text(final) == want:
-        return final
+    if (final / INDEX_NAME).is_file() and _config_text(final) == want and tiny_tokenizer.is_current(final):
+        return final  # (a cache from before the tokenizer shipped, or of an older one, is rebuilt)
     root.mkdir(parents=True, exist_ok=True)
     tmp = root / f".{final.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
         # gate_bias pinned to the draw these checkpoints were always made with: their tensors (and the goldens
         # pinned on them) do not move with random_state_dict's balanced default
         write_checkpoint(tmp, cfg, random_state_dict(cfg, seed=seed, gate_bias="random"), max_shard_bytes=2 << 20)
+        tiny_tokenizer.write_tiny_tokenizer(tmp)  # tokenizer.json + tokenizer_config.json, as a release has
         if final.exists():  # stale (preset changed): move aside, then swap in
             old = root / f".{final.name}.old-{uuid.uuid4().hex[:8]}"
             try:
@@ -153,7 +157,8 @@ def tiny_checkpoint(preset_name: str = "tiny-v41", seed: int = 0, cache_dir: str
         try:
             tmp.rename(final)
         except OSError:
-            if not ((final / INDEX_NAME).is_file() and _config_text(final) == want):
+            if not ((final / INDEX_NAME).is_file() and _config_text(final) == want
+                    and tiny_tokenizer.is_current(final)):
                 raise  # not a benign race with an identical writer
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -297,6 +302,7 @@ def load_checkpoint(
     only: Callable[[str], bool] | None = None,
     skipped: list[str] | None = None,
     validate_values: bool = False,
+    reader: TensorReader | None = None,
 ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """Load and validate a checkpoint folder; returns ``(cfg, {official name: tensor on device})``.
 
@@ -305,6 +311,8 @@ def load_checkpoint(
     skipped: if given, receives the names skipped as outside the text backbone (``mtp.``, ``vision.``, ...).
     validate_values: also scan every loaded value (``scan_values``: NaN / Inf, E8M0 scale byte 255); off by default
     because it reads every byte (minutes at full size).
+    reader: streams the validated tensors to their device (``stream_load.TensorReader``; default one for ``device``:
+    each tensor goes from its shard straight to ``device``, host memory bounded, progress lines for long loads).
     Raises ``CheckpointError`` (a ValueError) listing every problem: missing / unexpected / misshaped / wrong-dtype
     tensors, missing, unreadable, looping or corrupt shard files (naming the tensor entry where the header is bad),
     names in the index absent from their shard and tensors in a shard absent from the index, index entries outside
@@ -326,6 +334,9 @@ def load_checkpoint(
     table: dict[str, TensorSpec] | None = expected_tensors(cfg) if cfg is not None else None
     wanted = (lambda n: True) if only is None else only
     weight_map = _read_weight_map(path, problems)
+    reader = reader if reader is not None else TensorReader(device)
+    if table is not None:
+        reader.begin(sum(table[n].nbytes for n in weight_map or {} if n in table and wanted(n)))
 
     out: dict[str, torch.Tensor] = {}
     skip: list[str] = []
@@ -361,10 +372,12 @@ def load_checkpoint(
             problems.append(_listed(title, todo))
             continue
         try:
-            _read_shard(fpath, set(names), todo, table, wanted, device, out, misshaped, wrong_dtype, problems)
+            _read_shard(fpath, set(names), todo, table, wanted, device, out, misshaped, wrong_dtype, problems,
+                        reader)
         except Exception as e:  # noqa: BLE001 - header/truncation errors come as SafetensorError, OSError, ...
             problems.append(f"corrupt shard {shard}: {_header_detail(fpath, e)}")
 
+    reader.finish()
     if table is not None and weight_map is not None:
         listed = set(weight_map)
         missing = [n for n in table if n not in listed and wanted(n)]
@@ -402,6 +415,7 @@ def _read_shard(
     misshaped: list[str],
     wrong_dtype: list[str],
     problems: list[str],
+    reader: TensorReader,
 ) -> None:
     """Check each tensor's header entry against the table, then materialise it on ``device`` (one at a time).
 
@@ -409,7 +423,7 @@ def _read_shard(
     tensors that the index does not know is a mixed-up or tampered download, and they would be silently ignored)."""
     dev = str(torch.device(device))
     shard = fpath.name
-    with safe_open(str(fpath), framework="pt", device=dev) as f:
+    with safe_open(str(fpath), framework="pt", device=dev) as f, reader.shard(fpath) as r:
         present = set(f.keys())
         absent = [n for n in names if n not in present]
         if absent:
@@ -417,7 +431,7 @@ def _read_shard(
         extra = sorted(n for n in present - indexed if not is_skipped_name(n) and wanted(n))
         if extra:
             problems.append(_listed(f"unexpected tensors in shard {shard} that the index does not name", extra))
-        for n in names:
+        for n in r.file_order(names):  # sequential reads
             if n not in present:
                 continue
             if table is not None:
@@ -438,7 +452,7 @@ def _read_shard(
                 if not ok:
                     continue
                 try:
-                    out[n] = f.get_tensor(n)  # without a config nothing can be validated: headers only
+                    out[n] = r.read(n)  # without a config nothing can be validated: headers only
                 except Exception as e:  # noqa: BLE001 - e.g. a read error on a damaged disk: name the tensor
                     problems.append(f"tensor {n} in shard {shard}: cannot read its data: {type(e).__name__}: {e}")
 

@@ -4,7 +4,7 @@ greedy generation, one (optionally compiled) model step.
     engine = Engine(model, max_batch_tokens=4096, max_seqs=16, cache_tokens=1 << 20, compile=True)
     prefix = engine.cache_prefix(system_prompt_ids)              # prefilled once, shared without copying
     results = engine.prefill([Request(ids_a, prefix=prefix), Request(ids_b)])   # logits of each last position
-    texts = engine.generate([prompt_1, prompt_2], max_new_tokens=32)
+    results = engine.generate([prompt_1, prompt_2], max_new_tokens=32)   # ids or text: "Hello" -> .text
 
 Each step packs chunks of several sequences (no padding) up to ``max_batch_tokens``; all metadata is built on the
 host before the step (``batch.build_step``). When the cache budget runs out, the most recently admitted sequence
@@ -61,6 +61,7 @@ class Request:
     all_logits: bool = False  # return logits of every new position, not only the last
     max_new_tokens: int = 0  # > 0: greedy generation after the prompt
     request_id: Any = None
+    stop_tokens: tuple[int, ...] = ()  # generation ends after one of these (EOS for text prompts)
 
 
 @dataclass
@@ -70,6 +71,7 @@ class Result:
     tokens: list[int] = field(default_factory=list)  # generated tokens
     error: str | None = None
     preemptions: int = 0
+    text: str | None = None  # the generated tokens decoded (text prompts, or ids when the model has a tokenizer)
 
     def __repr__(self) -> str:
         """One line: id, error, tokens, the logits' shape and dtype (not their values)."""
@@ -110,6 +112,7 @@ class Engine:
     ) -> None:
         """``debug``: check the cache pool's invariants (no duplicate free ids, refcounts match) after every change."""
         self.model, self.cfg = model, model.cfg
+        self.tokenizer = getattr(model, "tokenizer", None)  # runtime.tokenizer.TextTokenizer (load_model sets it)
         self.device = model.embed.weight.device
         self.max_batch_tokens = max_batch_tokens
         self.cache = CacheManager(self.cfg, max_slots=max_seqs, max_tokens=cache_tokens, page_size=page_size,
@@ -213,14 +216,28 @@ class Engine:
         the logits of its last position (or all of its positions), plus generated tokens when asked."""
         return self._prefill(requests, min_new_tokens=0)
 
-    def generate(self, prompts: list[list[int]], max_new_tokens: int, prefix: PrefixHandle | None = None
-                 ) -> list[Result]:
+    def generate(self, prompts: list[list[int] | str], max_new_tokens: int, prefix: PrefixHandle | None = None,
+                 stop_at_eos: bool | None = None) -> list[Result]:
         """Greedy generation (decoding as one-token steps) for several prompts at once; ``max_new_tokens >= 1``
-        (else every prompt's result carries the error)."""
+        (else every prompt's result carries the error).
+
+        A prompt is token ids or a ``str``: text is encoded by the model's tokenizer (BOS first unless it continues
+        ``prefix``) and results carry ``.text``, the generated tokens decoded without special tokens. Generation
+        stops after EOS when ``stop_at_eos`` (default: for text prompts only; id prompts keep their exact count).
+        """
+        from .text import text_requests
+
         if isinstance(prompts, (str, bytes, Request)) or not isinstance(prompts, (list, tuple)):
             raise TypeError(f"generate takes a list of prompts, got {type(prompts).__name__}")
-        return self._prefill([Request(p, prefix=prefix, max_new_tokens=max_new_tokens) for p in prompts],
-                             min_new_tokens=1)
+        reqs = text_requests(self.tokenizer, prompts, max_new_tokens, prefix, stop_at_eos)
+        return self._with_text(self._prefill(reqs, min_new_tokens=1))
+
+    def _with_text(self, results: list[Result]) -> list[Result]:
+        if self.tokenizer is not None:
+            for r in results:
+                if r.error is None:
+                    r.text = self.tokenizer.decode(r.tokens)
+        return results
 
     def _prefill(self, requests: list[Request], min_new_tokens: int) -> list[Result]:
         if isinstance(requests, Request) or not isinstance(requests, (list, tuple)):
@@ -299,6 +316,8 @@ class Engine:
         return True
 
     def _done(self, seq: _Seq) -> bool:
+        if seq.result.tokens and seq.result.tokens[-1] in seq.req.stop_tokens:
+            return True  # stopped (EOS): the stop token itself is not prefilled
         return seq.cache.length == len(seq.tokens) and len(seq.result.tokens) >= seq.req.max_new_tokens
 
     def _run(self, seqs: list[_Seq], keep: bool) -> None:
