@@ -342,6 +342,8 @@ def compile(  # noqa: A001 (minidi.compile mirrors torch.compile)
     else:
         owner = getattr(model_or_step, "__self__", model_or_step)
     cfg = getattr(owner, "cfg", None)
+    if callable(getattr(owner, "set_eager_budget", None)):
+        owner.set_eager_budget(None)  # compiled graphs trace the whole chains the passes match; budgets are eager's
     if expected is None and isinstance(cfg, ModelConfig):
         expected = expected_sites(cfg, regional=regional)
     manager = PassManager(passes, strict=strict, expected=expected, op_backend=op_backend, keep_graphs=keep_graphs)

@@ -122,6 +122,8 @@ class Engine:
         self._next_handle_id = 0  # ids below it were issued; never reused
         self.step_fn: Callable = model.step
         self.pass_manager = None
+        if not compile:  # eager: bounded temporaries at long contexts (the model's chains are built in pieces)
+            model.set_eager_budget()
         if compile:  # minidi.compile: torch.compile(fullgraph, dynamic) with the passes (minidi/passes) installed;
             # faithful_rounding: compiled graphs round where eager does (runtime/compile.py), so tokens match eager
             kwargs = {"fullgraph": True, "dynamic": True, "faithful_rounding": faithful_rounding,

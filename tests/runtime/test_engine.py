@@ -179,3 +179,17 @@ def test_result_repr_is_short():
     assert "logits=[512] float32" in text and len(text) < 200
     assert repr(Result(request_id=3, error="request 3: empty prompt")) == (
         "Result(request_id=3, error='request 3: empty prompt', tokens=[], logits=None, preemptions=0)")
+
+
+def test_eager_engine_bounds_temporaries_and_compile_clears_the_budget():
+    """The model never asks whether it is compiled: an eager engine sets its eager budget (the long-context chains
+    built in pieces), ``minidi.compile`` clears it (the whole chains that the passes match)."""
+    from minidi.model.model import EAGER_BUDGET_BYTES
+
+    model = minidi.load_model("tiny-v41", dtype="float32", fake_quant=False)
+    budgets = lambda: {m.eager_budget for m in model.modules() if hasattr(m, "eager_budget")}  # noqa: E731
+    assert budgets() == {None}
+    Engine(model, max_batch_tokens=16, cache_tokens=1024, page_size=8)
+    assert budgets() == {EAGER_BUDGET_BYTES}
+    minidi.compile(model, "none", backend="eager")  # lazy: nothing is traced until the first call
+    assert budgets() == {None}
