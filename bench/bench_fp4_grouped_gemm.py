@@ -204,8 +204,8 @@ def main(argv: list[str] | None = None) -> dict:
                         continue
                     common.say(f"{label:<26} {vname:<40} {v['ms']:8.3f} {v['tflops']:8.1f} {v['pct_peak']:6.1f} "
                                f"{v['gbps_min_bytes']:7.0f} {nv / v['ms']:8.2f} {cp / v['ms']:7.2f}")
-                del x, ref, out
-            del wp, ws, w_bf16
+                x = ref = out = None  # free before the next case (a del would leave the lambdas above unbound)
+            wp = ws = w_bf16 = None
             if not SMOKE:
                 torch.cuda.empty_cache()
     summary = {f"{c['ep']}_{c['path']}_{c['dist']}": {"op_ms": c["op"]["ms"], "op_tflops": c["op"]["tflops"],

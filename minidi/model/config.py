@@ -205,7 +205,8 @@ class ModelConfig:
             p.append(f"ep_rank {self.ep_rank} must be in [0, ep_size {self.ep_size})")
         wb = self.weight_block if self.is_v41 else self.act_block
         for nm, v in (("dim", self.dim), ("q_lora_rank", self.q_lora_rank),
-                      ("o_groups*o_lora_rank", self.o_groups * self.o_lora_rank), ("moe_inter_dim", self.moe_inter_dim)):
+                      ("o_groups*o_lora_rank", self.o_groups * self.o_lora_rank),
+                      ("moe_inter_dim", self.moe_inter_dim)):
             if v % wb:
                 p.append(f"{nm}={v} must be a multiple of the FP8 input block {wb}")
         if self.head_dim % 32 or self.index_head_dim % 32:

@@ -144,7 +144,7 @@ class Transformer(nn.Module):
         self._register_engram_buffers()
         self.layer_hook = None  # called with the layer index before each layer (regional compilation's bookkeeping)
 
-    # ---- Engram host-side tables (not in the checkpoint) --------------------------------------------------------------
+    # ---- Engram host-side tables (not in the checkpoint) -------------------------------------------------------------
     def _register_engram_buffers(self) -> None:
         cfg = self.cfg
         if not cfg.engram_layers:

@@ -52,7 +52,8 @@ def quantize_fp8(w: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tenso
 def round_e2m1(x: torch.Tensor) -> torch.Tensor:
     """Round fp32 values with |x| <= 6 to the e2m1 grid, ties to the even code (0.25->0, 0.75->1, 2.5->2, 5->4)."""
     a = x.abs()
-    q = torch.where(a < 2.0, torch.round(a * 2.0) * 0.5, torch.where(a < 4.0, torch.round(a), torch.round(a * 0.5) * 2.0))
+    q = torch.where(a < 2.0, torch.round(a * 2.0) * 0.5,
+                    torch.where(a < 4.0, torch.round(a), torch.round(a * 0.5) * 2.0))
     return torch.copysign(q, x)
 
 

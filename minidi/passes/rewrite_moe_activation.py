@@ -88,7 +88,8 @@ def _pow2_ceil_chain(s: Node, g: Node) -> set[Node] | None:
             and is_literal(e.args[0].args[1], 23)):
         return None
     bits = e.args[0].args[0]
-    if not (_method(carry, "to", torch.int32) and is_call(carry.args[0], "ne") and is_literal(carry.args[0].args[1], 0)):
+    if not (_method(carry, "to", torch.int32) and is_call(carry.args[0], "ne")
+            and is_literal(carry.args[0].args[1], 0)):
         return None
     mant = carry.args[0].args[0]
     if not (is_call(mant, "and") and mant.args[0] is bits and is_literal(mant.args[1], 0x7FFFFF)):

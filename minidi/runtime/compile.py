@@ -330,10 +330,11 @@ def compile(  # noqa: A001 (minidi.compile mirrors torch.compile)
     config; strict needs ``fullgraph=True``: one graph must hold the whole step). ``backend``: the inner backend
     that compiles the rewritten graph ("inductor", "aot_eager", ...). ``op_backend``: the backend of the ops the passes
     insert: "auto" (the Triton kernels on CUDA, or on the CPU under ``TRITON_INTERPRET=1``; else their plain-torch
-    references), "triton" (the kernels, or a clear error where they cannot run) or "ref". ``regional``: compile each layer on its own
-    (``RegionalStep``). ``faithful_rounding``: Inductor rounds fused intermediates where eager rounds (default; see
-    the module docstring), ``False`` for its stock fused-fp32 rounding. ``progress``: called with each progress line
-    (they also go to the ``minidi.compile`` logger at INFO). The result has ``.pass_manager`` and ``.uncompile()``.
+    references), "triton" (the kernels, or a clear error where they cannot run) or "ref". ``regional``: compile each
+    layer on its own (``RegionalStep``). ``faithful_rounding``: Inductor rounds fused intermediates where eager rounds
+    (default; see the module docstring), ``False`` for its stock fused-fp32 rounding. ``progress``: called with each
+    progress line (they also go to the ``minidi.compile`` logger at INFO). The result has ``.pass_manager`` and
+    ``.uncompile()``.
     """
     fn = model_or_step
     owner = model_or_step

@@ -35,7 +35,7 @@ _all_gather = getattr(fc, "all_gather_single", None) or fc.all_gather_tensor
 _reduce_scatter = getattr(fc, "reduce_scatter_single", None) or fc.reduce_scatter_tensor
 
 
-# ---- set-up -----------------------------------------------------------------------------------------------------------
+# ---- set-up ----------------------------------------------------------------------------------------------------------
 def check_experts_divisible(n_experts: int, world: int) -> None:
     """Each rank must hold the same number of whole experts."""
     if world < 1 or n_experts % world:

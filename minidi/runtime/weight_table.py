@@ -8,7 +8,8 @@ uses the same names. Layer schedules come only from the config helpers (``is_kv_
 Storage kinds:
 - ``fp8_weight`` e4m3 [out, in] + ``fp8_scale`` E8M0 [ceil(out/B), ceil(in/B)] named ``<module>.scale`` (B = 32 / 128)
 - ``fp4_weight`` int8 [out, in/2] (two e2m1 codes per byte) + ``fp4_scale`` E8M0 [out, in/32]
-- ``fp8_rows`` e4m3 [rows, d] + ``fp8_rows_scale`` E8M0 [rows, d/32]: the Engram table, one scale per row per 32 channels
+- ``fp8_rows`` e4m3 [rows, d] + ``fp8_rows_scale`` E8M0 [rows, d/32]: the Engram table, one scale per row per 32
+  channels
 - ``bf16``, ``f32``, ``i64``: plain tensors
 
 Init hints (used by ``random_weights``; the V4 audit recipe, spec V4 "HF random-init parameters"):
@@ -79,7 +80,8 @@ class _Table:
     def fp8(self, module: str, out: int, inp: int) -> None:
         b = self.cfg.weight_block
         self.t[f"{module}.weight"] = TensorSpec((out, inp), torch.float8_e4m3fn, "fp8_weight", "linear")
-        self.t[f"{module}.scale"] = TensorSpec((_cdiv(out, b), _cdiv(inp, b)), torch.float8_e8m0fnu, "fp8_scale", "scale")
+        self.t[f"{module}.scale"] = TensorSpec((_cdiv(out, b), _cdiv(inp, b)), torch.float8_e8m0fnu, "fp8_scale",
+                                               "scale")
 
     def fp4(self, module: str, out: int, inp: int) -> None:
         b = self.cfg.fp4_block

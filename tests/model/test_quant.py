@@ -206,7 +206,8 @@ def test_quantize_fp4_agrees_with_fq4_ue8m0() -> None:
 
 
 # ---- FP8 block weights -------------------------------------------------------------------------------------------
-RAGGED = [(33, 70, 32), (64, 96, 32), (96, 80, 32), (1, 1, 32), (130, 257, 128), (128, 128, 128), (5, 300, 128), (0, 40, 32)]
+RAGGED = [(33, 70, 32), (64, 96, 32), (96, 80, 32), (1, 1, 32), (130, 257, 128), (128, 128, 128), (5, 300, 128),
+          (0, 40, 32)]
 
 
 def _dequant_fp8_ref(codes: torch.Tensor, exps: torch.Tensor, block: int) -> torch.Tensor:
@@ -268,7 +269,8 @@ def test_quantize_fp8_round_trip(out: int, inp: int, block: int) -> None:
                               dtype=torch.float64).reshape(tile.shape)
             assert torch.equal(qt, _e4m3_rne(tile / 2.0**e)), (i, j)
     deq = quant.dequant_fp8(q, scale, block, torch.float32).double()
-    s_full = torch.pow(2.0, (exps - 127).double()).repeat_interleave(block, 0)[:out].repeat_interleave(block, 1)[:, :inp]
+    s_full = torch.pow(2.0, (exps - 127).double()).repeat_interleave(block, 0)[:out]
+    s_full = s_full.repeat_interleave(block, 1)[:, :inp]
     # e4m3: 3 mantissa bits -> half-ulp <= |x| 2^-4 (normal), 2^-10 (subnormal), in units of the tile scale
     bound = torch.maximum(w64.abs() * 2.0**-4, s_full * 2.0**-10)
     assert torch.all((deq - w64).abs() <= bound)

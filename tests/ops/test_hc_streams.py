@@ -26,5 +26,6 @@ def test_sums_over_the_first_index():
 
 
 def test_bad_shapes_name_both():
-    with pytest.raises(ValueError, match=r"comb \[T, n, n\] and x \[T, n, D\] expected, got \(2, 4, 3\) and \(2, 4, 8\)"):
+    with pytest.raises(ValueError, match=r"comb \[T, n, n\] and x \[T, n, D\] expected, "
+                                         r"got \(2, 4, 3\) and \(2, 4, 8\)"):
         hc_stream_mix(torch.rand(2, 4, 3), torch.rand(2, 4, 8))

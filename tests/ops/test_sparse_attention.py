@@ -118,7 +118,7 @@ def _rounding_fixture(device="cpu"):
     tie); c = 0.94140625 ~ 1 / (8 bf16(exp b)), so dim 1 of the output is -1 + 8 c bf16(exp b) ~ 0 over the sum.
     Heads: sink -20 (rounding only), 0.25 and 0.5 (> the max: the sink-in-max bug rescales and re-rounds).
     """
-    t, h, d, w, k = 5, 3, 36, 4, 7
+    t, h, d = 5, 3, 36
     q = torch.zeros(t, h, d)
     q[..., 0] = 1.0
     wkv = torch.zeros(6, d)

@@ -52,7 +52,8 @@ def test_every_site_matched(compiled):
     for key, layers in want.items():
         assert Counter(compiled.manager.sites[key]) == Counter(layers), key
     if compiled.name == "tiny-v41":
-        assert compiled.manager.counts == {"C": 10, "E": 10, "D": 30, "A": 10, "B": 4, "F": 20, "G": 20, "H": 10, "I": 10}
+        assert compiled.manager.counts == {"C": 10, "E": 10, "D": 30, "A": 10, "B": 4, "F": 20, "G": 20, "H": 10,
+                                           "I": 10}
     else:  # F: two mixers per layer + V4's hc_head
         assert compiled.manager.counts == {"C": 4, "E": 4, "D": 12, "A": 4, "B": 2, "F": 9, "G": 8, "H": 4, "I": 4}
 

@@ -6,7 +6,6 @@ name/shape/dtype table is itself checked against spec §12 below.
 
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch
@@ -378,7 +377,8 @@ def test_sparse_attention_with_sink_by_hand():
             p = torch.exp(s) / (torch.exp(s).sum() + torch.exp(sink[h]))
             torch.testing.assert_close(o[t, h], p @ sel, rtol=1e-13, atol=1e-14)
     o_nosink = ref.sparse_attention_with_sink(q, keys, mask, torch.full((2,), float("-inf"), dtype=torch.float64), 1.0)
-    o_plain = torch.einsum("hsk,kd->shd", torch.softmax(torch.einsum("shd,kd->hsk", q, keys).masked_fill(~mask, float("-inf")), -1), keys)
+    logits = torch.einsum("shd,kd->hsk", q, keys).masked_fill(~mask, float("-inf"))
+    o_plain = torch.einsum("hsk,kd->shd", torch.softmax(logits, -1), keys)
     torch.testing.assert_close(o_nosink, o_plain, rtol=1e-13, atol=1e-14)
     wm = ref.window_mask(6, 3)
     assert wm[5].tolist() == [False, False, False, True, True, True] and wm[1].tolist()[:3] == [True, True, False]
@@ -429,7 +429,8 @@ def test_moe_route_weights(cfg, W, run):
     pfx = "layers.3.ffn."
     idx, wts = ref.moe_route(x, W[pfx + "gate.weight"], W[pfx + "gate.bias"], cfg)
     s = torch.sqrt(torch.nn.functional.softplus(x @ W[pfx + "gate.weight"].T))
-    assert torch.equal(idx.sort(-1).values, (s + W[pfx + "gate.bias"]).topk(cfg.n_activated_experts).indices.sort(-1).values)
+    want = (s + W[pfx + "gate.bias"]).topk(cfg.n_activated_experts).indices
+    assert torch.equal(idx.sort(-1).values, want.sort(-1).values)
     torch.testing.assert_close(wts, s.gather(1, idx) / s.gather(1, idx).sum(-1, keepdim=True) * 1.5)
     # the bias selects only: a huge bias on expert 5 forces it in, its weight is still its own score share
     bias = W[pfx + "gate.bias"].clone()
@@ -446,8 +447,8 @@ def test_swiglu_clip():
     w3 = torch.full((I, D), -1.0, dtype=torch.float64)  # v = -32 -> clamped to -10
     w2 = torch.eye(D, I, dtype=torch.float64)
     y = ref.swiglu_clipped(x, w1, w3, w2, None, 10.0, fq=False)
-    torch.testing.assert_close(y, torch.full((1, D), -10 * 10 * torch.sigmoid(torch.tensor(10.0, dtype=torch.float64)).item(),
-                                             dtype=torch.float64))
+    want = -10 * 10 * torch.sigmoid(torch.tensor(10.0, dtype=torch.float64)).item()
+    torch.testing.assert_close(y, torch.full((1, D), want, dtype=torch.float64))
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -694,7 +694,7 @@ def spec_forward(cfg, w: dict[str, torch.Tensor], input_ids: torch.Tensor, token
     W = w if F64_MARKER in w else dequantize_checkpoint(w)
     fq = bool(fake_quant)
     ids = input_ids.to(torch.int64).flatten()
-    S, n = ids.shape[0], cfg.hc_mult
+    n = cfg.hc_mult
 
     X = W["embed.weight"][ids][:, None, :].repeat(1, n, 1)  # [S, n, D]
     pre = torch.zeros(n, dtype=F64)

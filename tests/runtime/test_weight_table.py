@@ -34,7 +34,8 @@ def _layer_count(table, layer: int) -> int:
 # ---- V4.1 release (spec V4.1 §12) --------------------------------------------------------------------------------
 def test_v41_release_tensor_count(v41):
     # "text backbone 40×2,334 + 19 + 24 + 12 + 3 = 93,418"
-    per_layer = 6 + 2 + 1 + 12 + 3 + 6 + 384 * 3 * 2  # hc, norms, sink, attn (5 FP8 pairs + 2 norms), gate, shared, experts
+    # hc, norms, sink, attn (5 FP8 pairs + 2 norms), gate, shared, experts
+    per_layer = 6 + 2 + 1 + 12 + 3 + 6 + 384 * 3 * 2
     assert per_layer == 2334
     kv_extra = 4 * 4 + 3  # compressor wkv/norm + indexer wk/k_norm on 2/8/14/20, wgate on 2/8/14
     index_extra = 8 * 3  # indexer wq_b (+scale), weights_proj
