@@ -21,6 +21,9 @@ compiled step runs under:
   lowers and generates code for the graph (its FX graph cache keys on the setting). ``False`` patches it off.
 - **Progress**: logger ``minidi.compile`` at INFO (and ``progress(line)`` if given): a start and an end line for the
   step's compile, and, per layer kind compiled by ``regional=True``, its layers, seconds and Inductor cache hits.
+
+(Over 350 lines: the two step kinds share the backend, settings and progress helpers; split ``RegionalStep`` out
+once ``Block.kind()`` lands and the fallback ``_LayerKind`` goes.)
 """
 
 from __future__ import annotations
