@@ -63,6 +63,35 @@ INTERPRETER: bool = isinstance(dot, InterpretedFunction)
 """True when minidi's kernels were decorated under ``TRITON_INTERPRET=1`` (they then run on CPU tensors)."""
 
 
+def _mend_interpreter_loop_bounds() -> bool:
+    """Triton <= 3.6's interpreter turns a runtime loop bound into an int with ``int(array)`` on a one-element 1-D
+    array, which NumPy 2 refuses ("only 0-dimensional arrays can be converted to Python scalars"), so every kernel
+    with ``for ... in range(0, n, BLOCK)`` over a runtime ``n`` fails there (seen with Triton 3.6 / NumPy 2.5 on the
+    H200 machine's CPU). Later Triton squeezes the array first; install that same ``__index__`` on the old
+    interpreter, only when its source shows the old form. Interpreter only: compiled kernels are untouched."""
+    import inspect
+
+    from triton.runtime import interpreter
+
+    original = getattr(interpreter, "_patch_lang_tensor", None)
+    try:
+        old = original is not None and "int(self.handle.data))" in inspect.getsource(original)
+    except (OSError, TypeError):
+        old = False
+    if not old:
+        return False
+
+    def patch_lang_tensor(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    interpreter._patch_lang_tensor = patch_lang_tensor
+    return True
+
+
+INTERPRETER_MENDED: bool = INTERPRETER and _mend_interpreter_loop_bounds()
+
+
 def interpreting() -> bool:
     """True when the kernels run in Triton's CPU interpreter (decided when they were decorated; see above)."""
     return INTERPRETER
