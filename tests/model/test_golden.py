@@ -21,6 +21,9 @@ of 7 tokens (other GEMM shapes, i.e. the kind of summation-order change another 
   (tiny-v4); fake quant on 2.1e-6 (tiny-v41), 0.86 (tiny-v4; 0.15 on the pinned values); bf16 2.8 (tiny-v41, argmax
   agreement over positions 62 %) and 0.31 (tiny-v4): bf16 tokens move even with the thread count. bf16 mean |logit|
   0.8071 / 0.8355 and rel-RMS from fp32 + fake quant 0.50 / 0.30 with one thread.
+- The H200 machine's host CPU (16 cores, torch 2.11, Triton 3.6): fp32 fake quant off within 1e-3 of these pins;
+  fp32 fake quant on, tiny-v41's last-position values moved by up to 0.104 (mean |logit| 0.8064 vs 0.8054) where
+  two runs here agreed to 2.4e-6: a fake-quant pin holds values loosely and no tokens, whatever one machine shows.
 - ``ATEN_CPU_CAPABILITY=avx2``: bit-identical logits, greedy and engine tokens in all six settings (as the issue
   found for bf16): the GEMMs do not go through ATen's dispatch, so no variable reproduces another CPU here.
 
@@ -38,16 +41,17 @@ import minidi
 PROMPT = [0, 17, 93, 240, 5, 311, 77, 402, 128, 9, 66, 250, 33, 480, 2, 101, 199, 7, 364, 45, 18, 290, 150, 3]
 N_NEW = 8
 
-# The smallest top-2 margin a pinned greedy token may have: > 300x the fp32 spread measured above (1.3e-5 without
-# fake quant, 2.4e-6 with it on tiny-v41). Smallest pinned margins: 0.0086 (tiny-v41, fake quant on) - 0.040.
+# The smallest top-2 margin a pinned greedy token may have: > 300x the fp32 spread without fake quant measured above
+# (1.3e-5; tokens are pinned only without fake quant).
 MIN_MARGIN = 5e-3
 
 # (preset, fake_quant) -> last-position logits [:6], mean |logit| over all positions, tolerance, greedy tokens
 FP32_GOLDEN = {
     ("tiny-v41", False): ([0.2539, -0.2339, -0.3218, 0.0968, 1.3868, 0.2963], 0.8063, 1e-3,
                           [163, 32, 358, 196, 115, 233, 281, 407]),
-    ("tiny-v41", True): ([-0.4552, -0.4981, -0.591, -0.3335, 0.9918, -0.027], 0.8054, 1e-3,
-                         [163, 32, 273, 499, 499, 448, 427, 427]),
+    # another CPU and torch (the H200 machine's host: torch 2.11) moved these values by up to 0.104 (mean |logit|
+    # 0.8064): FP8/FP4 roundings flip; the smallest greedy margin here (0.0086) is below that, so no tokens
+    ("tiny-v41", True): ([-0.4552, -0.4981, -0.591, -0.3335, 0.9918, -0.027], 0.8054, 0.3, None),
     ("tiny-v4", False): ([0.4396, 0.3104, 1.826, 0.0902, 0.6879, -2.7821], 0.8392, 1e-3,
                          [198, 56, 177, 177, 10, 21, 500, 128]),
     # fake-quant flips: 0.15 measured on these values (see above); tokens not pinned
