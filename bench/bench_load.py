@@ -29,15 +29,12 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:  # run as a script from anywhere (the sibling package layout of bench/)
-    sys.path.insert(0, str(REPO))
+import torch
 
-import torch  # noqa: E402
+from minidi.model.config import ModelConfig
+from minidi.model.presets import preset
 
-from minidi.model.config import ModelConfig  # noqa: E402
-from minidi.model.presets import preset  # noqa: E402
-
+REPO = Path(__file__).resolve().parent.parent  # the child phases import minidi from here (PYTHONPATH)
 READ_CHUNK = 64 << 20
 
 

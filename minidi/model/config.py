@@ -3,6 +3,9 @@
 Field names follow the official ``inference/config.json`` (``dim``, ``n_layers`` ...); ``from_hf_config`` reads the
 HF ``config.json`` of either release (V4.1 nests the text model under ``text_config``). Presets hold the two
 full-size shapes and the tiny random-weight test models (spec V4.1 §15, V4 §13).
+
+(Over 350 lines: one frozen dataclass whose fields, validation and HF mapping must be read together; most of its
+length is the field list with a comment per field.)
 """
 
 from __future__ import annotations

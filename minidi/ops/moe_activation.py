@@ -110,6 +110,8 @@ def _moe_activation_kernel(
         g_ptr, v_ptr, w_ptr, offs_ptr, out_ptr,
         R, I, E, stride_g, stride_v, stride_w, stride_o, limit,
         BR: tl.constexpr, BLOCK: tl.constexpr, QUANT: tl.constexpr, ROUND_BF16: tl.constexpr):
+    # the local-rows tile prologue, a deliberate twin of moe_gather._gather_rows_kernel (Triton inlines no shared
+    # block-index helper that returns several tensors as cheaply as these six lines)
     n_rows = local_row_count(offs_ptr, E, R)
     r0 = tl.program_id(0) * BR
     if r0 < n_rows:  # a tile past this rank's rows returns at once

@@ -43,6 +43,8 @@ def gather_rows_ref(x: torch.Tensor, idx: torch.Tensor, offs: torch.Tensor) -> t
 @triton.jit
 def _gather_rows_kernel(x_ptr, idx_ptr, offs_ptr, out_ptr, T, R, D, E, stride_x, stride_o,
                         BR: tl.constexpr, BD: tl.constexpr):
+    # the local-rows tile prologue, a deliberate twin of moe_activation's kernel (Triton inlines no shared
+    # block-index helper that returns several tensors as cheaply as these six lines)
     n_rows = local_row_count(offs_ptr, E, R)
     r0 = tl.program_id(0) * BR
     if r0 < n_rows:  # a tile past this rank's rows returns at once

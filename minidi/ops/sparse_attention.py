@@ -280,33 +280,34 @@ def _(q, window_kv, window_idx, comp_kv, comp_idx, sink, scale):
     return q.new_empty(q.shape)
 
 
-def _check(q, window_kv, window_idx, comp_kv, comp_idx, sink, scale) -> None:
-    def shape(x):
-        return tuple(x.shape)
+def shape(x: torch.Tensor) -> tuple:
+    return tuple(x.shape)
 
+
+def _check_rows(kv_name: str, kv: torch.Tensor, n: str, idx_name: str, idx: torch.Tensor, k: str, t: int, d: int,
+                dtype: torch.dtype) -> None:
+    """One source of keys (the window rows or the compressed rows) and its index: kv [n, D] in q's dtype, idx [T, k]."""
+    if kv.dim() != 2 or kv.shape[1] != d or kv.dtype != dtype:
+        raise ValueError(f"sparse_attention: {kv_name} must be [{n}, D={d}] {dtype}, got {shape(kv)} {kv.dtype}")
+    if idx.dim() != 2 or idx.shape[0] != t or idx.dtype not in IDX_DTYPES:
+        raise ValueError(f"sparse_attention: {idx_name} must be [T={t}, {k}] int32/int64, got {shape(idx)} "
+                         f"{idx.dtype}")
+
+
+def _check(q, window_kv, window_idx, comp_kv, comp_idx, sink, scale) -> None:
     if q.dim() != 3 or q.dtype not in Q_DTYPES:
         raise ValueError(f"sparse_attention: q must be [T, H, D] in {Q_DTYPES}, got {shape(q)} {q.dtype}")
     t, h, d = q.shape
     if d > MAX_D:
         raise ValueError(f"sparse_attention: head dim D must be <= {MAX_D} for the Triton kernel, got {d}; "
                          "use backend='ref'")
-    if window_kv.dim() != 2 or window_kv.shape[1] != d or window_kv.dtype != q.dtype:
-        raise ValueError(f"sparse_attention: window_kv must be [Nw, D={d}] {q.dtype}, got {shape(window_kv)} "
-                         f"{window_kv.dtype}")
-    if window_idx.dim() != 2 or window_idx.shape[0] != t or window_idx.dtype not in IDX_DTYPES:
-        raise ValueError(f"sparse_attention: window_idx must be [T={t}, W] int32/int64, got {shape(window_idx)} "
-                         f"{window_idx.dtype}")
+    _check_rows("window_kv", window_kv, "Nw", "window_idx", window_idx, "W", t, d, q.dtype)
     if (comp_kv is None) != (comp_idx is None):
         raise ValueError("sparse_attention: comp_kv and comp_idx must both be given or both be None, got "
                          f"comp_kv {'None' if comp_kv is None else shape(comp_kv)}, "
                          f"comp_idx {'None' if comp_idx is None else shape(comp_idx)}")
     if comp_kv is not None:
-        if comp_kv.dim() != 2 or comp_kv.shape[1] != d or comp_kv.dtype != q.dtype:
-            raise ValueError(f"sparse_attention: comp_kv must be [Nc, D={d}] {q.dtype}, got {shape(comp_kv)} "
-                             f"{comp_kv.dtype}")
-        if comp_idx.dim() != 2 or comp_idx.shape[0] != t or comp_idx.dtype not in IDX_DTYPES:
-            raise ValueError(f"sparse_attention: comp_idx must be [T={t}, K] int32/int64, got {shape(comp_idx)} "
-                             f"{comp_idx.dtype}")
+        _check_rows("comp_kv", comp_kv, "Nc", "comp_idx", comp_idx, "K", t, d, q.dtype)
     for name, x in (("window_kv", window_kv), ("comp_kv", comp_kv)):
         if x is not None and x.shape[0] >= 2**30:
             raise ValueError(f"sparse_attention: {name} must have < 2^30 rows for the Triton kernel, got {x.shape[0]}")

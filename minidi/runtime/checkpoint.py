@@ -14,6 +14,10 @@ reports tensors in a shard that the index does not name, names the tensor or fil
 header is re-parsed to say which entry is bad), tells a missing file from an unreadable one or a symlink loop, and
 checks ``tid2eid`` ids. ``validate_values=True`` also scans every value (NaN / Inf, E8M0 scale byte 255), see
 ``scan_values``.
+
+(Over 350 lines: loading and the checks that must run while each shard is open are one pass over the files; the
+header diagnosis, the value scan and the byte streaming already live apart: safetensors_header.py, value_scan.py,
+stream_load.py.)
 """
 
 from __future__ import annotations

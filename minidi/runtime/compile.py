@@ -22,8 +22,7 @@ compiled step runs under:
 - **Progress**: logger ``minidi.compile`` at INFO (and ``progress(line)`` if given): a start and an end line for the
   step's compile, and, per layer kind compiled by ``regional=True``, its layers, seconds and Inductor cache hits.
 
-(Over 350 lines: the two step kinds share the backend, settings and progress helpers; split ``RegionalStep`` out
-once ``Block.kind()`` lands and the fallback ``_LayerKind`` goes.)
+(Over 350 lines: the two step kinds share the backend, the settings context and the progress helpers.)
 """
 
 from __future__ import annotations

@@ -19,6 +19,9 @@ alone; a request that fails inside admission, growth, fork or a step is failed a
 back. A failed step's sequences drop their cache (the step may have written part of it) and are recomputed, each
 alone in its steps until it finishes: the culprit then fails by itself. Sticky on purpose: letting a sequence rejoin
 batches after one good solo step would loop forever on a request whose later chunk fails.
+
+(Over 350 lines: scheduling, preemption and the per-request failure paths share the engine's state; request field
+checks already live in validate.py, text prompts in text.py, the pool in cache.py.)
 """
 
 from __future__ import annotations
