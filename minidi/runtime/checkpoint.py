@@ -15,22 +15,20 @@ header is re-parsed to say which entry is bad), tells a missing file from an unr
 checks ``tid2eid`` ids. ``validate_values=True`` also scans every value (NaN / Inf, E8M0 scale byte 255), see
 ``scan_values``.
 
-(Over 350 lines: loading and the checks that must run while each shard is open are one pass over the files; the
-header diagnosis, the value scan and the byte streaming already live apart: safetensors_header.py, value_scan.py,
-stream_load.py.)
+The folder's files (probes, index paths, the weight map) are checked in ``checkpoint_files.py``; the header
+diagnosis, the value scan and the byte streaming live in ``safetensors_header.py``, ``value_scan.py``,
+``stream_load.py``.
 """
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import os
 import shutil
-import stat
 import uuid
 from collections.abc import Callable
-from pathlib import Path, PurePosixPath, PureWindowsPath
+from pathlib import Path
 
 import torch
 from safetensors import safe_open
@@ -38,7 +36,8 @@ from safetensors.torch import save_file
 
 from minidi.model.config import ModelConfig
 from minidi.model.presets import preset
-from minidi.runtime.safetensors_header import diagnose_header
+from minidi.runtime.checkpoint_files import (INDEX_NAME, SINGLE_NAME, allowed_roots, header_detail, named_list,
+                                            outside_folder, probe, probe_dir, read_json_file, read_weight_map)
 from minidi.runtime.value_scan import scan_values
 from minidi.runtime import tiny_tokenizer
 from minidi.runtime.stream_load import TensorReader
@@ -46,9 +45,6 @@ from minidi.runtime.weight_table import TensorSpec, expected_tensors, is_skipped
 
 log = logging.getLogger(__name__)
 
-INDEX_NAME = "model.safetensors.index.json"
-SINGLE_NAME = "model.safetensors"
-_MAX_LISTED = 100  # per problem category; the count is always given
 
 ST_DTYPES: dict[torch.dtype, str] = {
     torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.float64: "F64",
@@ -177,128 +173,6 @@ def _config_text(path: Path) -> str | None:
 
 
 # ---- loading --------------------------------------------------------------------------------------------------------
-def _probe(p: Path) -> str | None:
-    """Why ``p`` cannot be read as a file (``missing``, a symlink loop, unreadable, not a file), or None."""
-    try:
-        st = os.stat(p)
-    except FileNotFoundError:
-        if os.path.islink(p):
-            return f"is a broken symlink (to {os.readlink(p)})"
-        return "is missing"
-    except OSError as e:
-        if e.errno == errno.ELOOP:
-            return "is a symlink loop"
-        return f"is unreadable ({e.strerror or e})"
-    if not stat.S_ISREG(st.st_mode):
-        return "is not a regular file" + (" (a directory)" if stat.S_ISDIR(st.st_mode) else "")
-    try:
-        os.close(os.open(p, os.O_RDONLY))
-    except OSError as e:
-        return f"is unreadable ({e.strerror or e})"
-    return None
-
-
-def _probe_dir(p: Path) -> str | None:
-    """Why the checkpoint folder cannot be used, or None."""
-    try:
-        st = os.stat(p)
-    except FileNotFoundError:
-        return f"checkpoint folder {p} does not exist" + (" (broken symlink)" if os.path.islink(p) else "")
-    except OSError as e:
-        if e.errno == errno.ELOOP:
-            return f"checkpoint folder {p} is a symlink loop"
-        return f"checkpoint folder {p} is unreadable ({e.strerror or e})"
-    if not stat.S_ISDIR(st.st_mode):
-        return f"not a directory: {p}"
-    try:
-        os.listdir(p)
-    except OSError as e:
-        return f"checkpoint folder {p} is unreadable ({e.strerror or e})"
-    return None
-
-
-def _allowed_roots(path: Path) -> list[Path]:
-    """Where the files of a checkpoint may live: the folder itself, plus ``<repo>/blobs`` for the Hugging Face cache
-    layout (``<repo>/snapshots/<rev>/<file>`` are symlinks to ``../../blobs/<sha>``)."""
-    roots = [Path(os.path.realpath(path))]
-    if path.absolute().parent.name == "snapshots":
-        roots.append(Path(os.path.realpath(path.absolute().parent.parent / "blobs")))
-    return roots
-
-
-def _member(path: Path, rel: str, roots: list[Path]) -> str | None:
-    """Why the index entry ``rel`` does not name a file inside the checkpoint folder, or None."""
-    if not rel or "\x00" in rel:
-        return "is empty or holds a NUL byte"
-    if PurePosixPath(rel).is_absolute() or PureWindowsPath(rel).is_absolute() or PureWindowsPath(rel).drive:
-        return "is an absolute path (shards must be named relative to the checkpoint folder)"
-    if ".." in PurePosixPath(rel.replace("\\", "/")).parts:
-        return "climbs out of the checkpoint folder with '..'"
-    real = Path(os.path.realpath(path / rel))  # never raises on a loop (_probe reports those)
-    if not any(real == r or r in real.parents for r in roots):
-        return f"resolves outside the checkpoint folder (to {real})"
-    return None
-
-
-def _read_file(path: Path, name: str, problems: list[str]) -> bool:
-    """True if ``path / name`` is a readable file inside the folder; else the reason goes to ``problems``."""
-    why = _probe(path / name)
-    if why is None:
-        why = _member(path, name, _allowed_roots(path))
-    if why is not None:
-        problems.append(f"{name} {why}")
-    return why is None
-
-
-def _no_duplicate_keys(pairs: list[tuple[str, object]]) -> dict:
-    keys = [k for k, _ in pairs]
-    dups = sorted({k for k in keys if keys.count(k) > 1}) if len(set(keys)) != len(keys) else []
-    if dups:
-        raise ValueError(f"duplicate names {dups[:_MAX_LISTED]}")
-    return dict(pairs)
-
-
-def _read_weight_map(path: Path, problems: list[str]) -> dict[str, str] | None:
-    """name -> shard file from the index, or the names of a single ``model.safetensors``; None if unusable."""
-    index = path / INDEX_NAME
-    if os.path.lexists(index):
-        if not _read_file(path, INDEX_NAME, problems):
-            return None
-        try:
-            raw = json.loads(index.read_bytes().decode("utf-8"), object_pairs_hook=_no_duplicate_keys)
-        except (OSError, ValueError) as e:
-            problems.append(f"unreadable index {INDEX_NAME}: {e}")
-            return None
-        wm = raw.get("weight_map") if isinstance(raw, dict) else None
-        if not isinstance(wm, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in wm.items()):
-            problems.append(f"malformed index {INDEX_NAME}: needs a 'weight_map' object of name -> shard file")
-            return None
-        return wm
-    if os.path.lexists(path / SINGLE_NAME):
-        if not _read_file(path, SINGLE_NAME, problems):
-            return None
-        try:
-            with safe_open(str(path / SINGLE_NAME), framework="pt") as f:
-                return {k: SINGLE_NAME for k in f.keys()}
-        except Exception as e:  # noqa: BLE001 - safetensors raises several error types for bad files
-            problems.append(f"corrupt shard {SINGLE_NAME}: {_header_detail(path / SINGLE_NAME, e)}")
-            return None
-    problems.append(f"no {INDEX_NAME} and no {SINGLE_NAME} in {path}")
-    return None
-
-
-def _header_detail(fpath: Path, e: Exception) -> str:
-    """safetensors' message plus our own reading of the header, which names the bad tensor entries."""
-    detail = diagnose_header(fpath)
-    return f"{type(e).__name__}: {e}" + ("; " + "; ".join(detail) if detail else "")
-
-
-def _listed(title: str, items: list[str]) -> str:
-    shown = ", ".join(items[:_MAX_LISTED])
-    more = f" ... (+{len(items) - _MAX_LISTED} more)" if len(items) > _MAX_LISTED else ""
-    return f"{title} ({len(items)}): {shown}{more}"
-
-
 def load_checkpoint(
     path: str | Path,
     cfg: ModelConfig | None = None,
@@ -324,20 +198,20 @@ def load_checkpoint(
     """
     path = Path(path)
     problems: list[str] = []
-    bad_dir = _probe_dir(path)
+    bad_dir = probe_dir(path)
     if bad_dir:
         raise CheckpointError(path, [bad_dir])
     if cfg is None:
         if not os.path.lexists(path / "config.json"):
             problems.append(f"missing config.json in {path}")
-        elif _read_file(path, "config.json", problems):
+        elif read_json_file(path, "config.json", problems):
             try:
                 cfg = ModelConfig.from_hf_config(path)
             except Exception as e:  # noqa: BLE001 - any malformed value: report it with the rest
                 problems.append(f"bad config.json: {e}")
     table: dict[str, TensorSpec] | None = expected_tensors(cfg) if cfg is not None else None
     wanted = (lambda n: True) if only is None else only
-    weight_map = _read_weight_map(path, problems)
+    weight_map = read_weight_map(path, problems)
     reader = reader if reader is not None else TensorReader(device)
     if table is not None:
         reader.begin(sum(table[n].nbytes for n in weight_map or {} if n in table and wanted(n)))
@@ -350,7 +224,7 @@ def load_checkpoint(
     by_shard: dict[str, list[str]] = {}
     for name, shard in (weight_map or {}).items():
         by_shard.setdefault(shard, []).append(name)
-    roots = _allowed_roots(path)
+    roots = allowed_roots(path)
     for shard, names in by_shard.items():
         todo = []
         for n in names:
@@ -362,37 +236,37 @@ def load_checkpoint(
                 unexpected.append(n)
             else:
                 todo.append(n)
-        outside = _member(path, shard, roots)
+        outside = outside_folder(path, shard, roots)
         if outside is not None:  # checked before touching the file: never read outside the folder
-            problems.append(_listed(f"index entry {shard!r} {outside}; refused for tensors", names))
+            problems.append(named_list(f"index entry {shard!r} {outside}; refused for tensors", names))
             continue
         fpath = path / shard
-        why = _probe(fpath)
+        why = probe(fpath)
         if why is not None and not todo:
             continue  # nothing needed from it (only skipped / other ranks' tensors): as before, not an error
         if why is not None:
             title = (f"index points at missing shard file {shard} for tensors" if why == "is missing"
                      else f"shard file {shard} {why}; cannot read tensors")
-            problems.append(_listed(title, todo))
+            problems.append(named_list(title, todo))
             continue
         try:
             _read_shard(fpath, set(names), todo, table, wanted, device, out, misshaped, wrong_dtype, problems,
                         reader)
         except Exception as e:  # noqa: BLE001 - header/truncation errors come as SafetensorError, OSError, ...
-            problems.append(f"corrupt shard {shard}: {_header_detail(fpath, e)}")
+            problems.append(f"corrupt shard {shard}: {header_detail(fpath, e)}")
 
     reader.finish()
     if table is not None and weight_map is not None:
         listed = set(weight_map)
         missing = [n for n in table if n not in listed and wanted(n)]
         if missing:
-            problems.append(_listed("missing tensors", missing))
+            problems.append(named_list("missing tensors", missing))
     if unexpected:
-        problems.append(_listed("unexpected tensors", unexpected))
+        problems.append(named_list("unexpected tensors", unexpected))
     if misshaped:
-        problems.append(_listed("misshaped tensors (name: expected -> got)", misshaped))
+        problems.append(named_list("misshaped tensors (name: expected -> got)", misshaped))
     if wrong_dtype:
-        problems.append(_listed("wrong dtype (name: expected -> got)", wrong_dtype))
+        problems.append(named_list("wrong dtype (name: expected -> got)", wrong_dtype))
     if cfg is not None:
         problems.extend(_check_tid2eid(cfg, out))
     if validate_values:
@@ -431,10 +305,10 @@ def _read_shard(
         present = set(f.keys())
         absent = [n for n in names if n not in present]
         if absent:
-            problems.append(_listed(f"tensors named in the index but absent from shard {shard}", absent))
+            problems.append(named_list(f"tensors named in the index but absent from shard {shard}", absent))
         extra = sorted(n for n in present - indexed if not is_skipped_name(n) and wanted(n))
         if extra:
-            problems.append(_listed(f"unexpected tensors in shard {shard} that the index does not name", extra))
+            problems.append(named_list(f"unexpected tensors in shard {shard} that the index does not name", extra))
         for n in r.file_order(names):  # sequential reads
             if n not in present:
                 continue
@@ -469,4 +343,4 @@ def _check_tid2eid(cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> list[s
             lo, hi = int(t.min()), int(t.max())
             if lo < 0 or hi >= cfg.n_routed_experts:
                 bad.append(f"{n} (min {lo}, max {hi})")
-    return [_listed(f"tid2eid expert ids outside [0, n_routed_experts={cfg.n_routed_experts})", bad)] if bad else []
+    return [named_list(f"tid2eid expert ids outside [0, n_routed_experts={cfg.n_routed_experts})", bad)] if bad else []
