@@ -41,6 +41,7 @@ from .batch import StepItem, build_step
 from .cache import CacheFull, CacheManager, SeqCache
 from .compile import compile as minidi_compile
 from .compile import dynamic_shape_config
+from .text import encode_prompts
 
 
 @dataclass(frozen=True)
@@ -230,11 +231,10 @@ class Engine:
         ``prefix``) and results carry ``.text``, the generated tokens decoded without special tokens. Generation
         stops after EOS when ``stop_at_eos`` (default: for text prompts only; id prompts keep their exact count).
         """
-        from .text import text_requests
-
         if isinstance(prompts, (str, bytes, Request)) or not isinstance(prompts, (list, tuple)):
             raise TypeError(f"generate takes a list of prompts, got {type(prompts).__name__}")
-        reqs = text_requests(self.tokenizer, prompts, max_new_tokens, prefix, stop_at_eos)
+        reqs = [Request(ids, prefix=prefix, max_new_tokens=max_new_tokens, stop_tokens=eos)
+                for ids, eos in encode_prompts(self.tokenizer, prompts, prefix is not None, stop_at_eos)]
         return self._with_text(self._prefill(reqs, min_new_tokens=1))
 
     def _with_text(self, results: list[Result]) -> list[Result]:
