@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 import minidi
 from minidi.runtime.checkpoint import INDEX_NAME, CheckpointError, load_checkpoint, tiny_checkpoint
 from minidi.runtime.value_scan import scan_values
+from tests.runtime.test_checkpoint import _edit_shard, _index, _shard_of
 
 
 @pytest.fixture
@@ -31,23 +31,8 @@ def ckpt(tmp_path) -> Path:
     return dst
 
 
-def _index(path: Path) -> dict:
-    return json.loads((path / INDEX_NAME).read_text())
-
-
 def _write_index(path: Path, idx: dict) -> None:
     (path / INDEX_NAME).write_text(json.dumps(idx))
-
-
-def _shard_of(path: Path, name: str) -> str:
-    return _index(path)["weight_map"][name]
-
-
-def _edit_shard(path: Path, shard: str, edit) -> None:
-    with safe_open(str(path / shard), framework="pt") as f:
-        tensors = {k: f.get_tensor(k) for k in f.keys()}
-    edit(tensors)
-    save_file(tensors, str(path / shard))
 
 
 def _replace(path: Path, name: str, t: torch.Tensor) -> None:
