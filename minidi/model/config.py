@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from .config_types import MINIMA, type_problem
 
 ARCHS = ("v41", "v4")
 
@@ -183,7 +184,7 @@ class ModelConfig:
         p = [msg for f in dataclasses.fields(self) if (msg := field_type_problem(f.name, getattr(self, f.name)))]
         if p:  # the checks below do arithmetic on the values: a str would fail them with an unrelated TypeError
             return p
-        p = [f"{nm} must be >= {lo}, got {getattr(self, nm)}" for nm, lo in _MINIMA.items() if getattr(self, nm) < lo]
+        p = [f"{nm} must be >= {lo}, got {getattr(self, nm)}" for nm, lo in MINIMA.items() if getattr(self, nm) < lo]
         if any(r < 0 for r in self.compress_ratios):
             p.append(f"compress_ratios must be >= 0, got {self.compress_ratios}")
         if p:
@@ -311,37 +312,11 @@ class ModelConfig:
         return _from_hf_dict(raw, name=overrides.pop("name", str(p.parent)), **overrides)
 
 
-# ---- value types -----------------------------------------------------------------------------------------------------
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-_KINDS: dict[str, tuple[str, Any]] = {
-    "int": ("an int", _is_int),
-    "float": ("a finite number", lambda v: (_is_int(v) or isinstance(v, float)) and math.isfinite(v)),
-    "bool": ("true or false", lambda v: isinstance(v, bool)),
-    "str": ("a string", lambda v: isinstance(v, str)),
-    "tuple[int, ...]": ("a list of ints", lambda v: isinstance(v, (tuple, list)) and all(_is_int(x) for x in v)),
-}
-# sizes that must be positive (a zero or negative one only fails deep inside the model)
-_MINIMA: dict[str, int] = {
-    **{n: 1 for n in ("vocab_size", "dim", "n_layers", "n_heads", "head_dim", "q_lora_rank", "o_groups",
-                      "o_lora_rank", "index_n_heads", "index_head_dim", "index_topk", "candidate_topk_blocks",
-                      "candidate_block_size", "hc_mult", "hc_sinkhorn_iters", "n_routed_experts", "n_shared_experts",
-                      "n_activated_experts", "moe_inter_dim", "original_seq_len", "max_position_embeddings",
-                      "engram_max_ngram", "engram_n_heads", "engram_head_dim")},
-    "window_size": 2, "rope_head_dim": 0, "n_hash_layers": 0,
-}
-
-
+# ---- value types (the rules: config_types.py) ---------------------------------------------------------------------
 def field_type_problem(name: str, value: Any, key: str | None = None) -> str | None:
     """The problem with ``value`` as the config field ``name`` (``key``: its config.json name for the message)."""
     ann = {f.name: f.type for f in dataclasses.fields(ModelConfig)}[name]
-    kind = _KINDS.get(ann if isinstance(ann, str) else getattr(ann, "__name__", ""))
-    if kind is None or kind[1](value):
-        return None
-    where = f"config.json key {key!r}" if key else name
-    return f"{where} must be {kind[0]}, got {value!r} ({type(value).__name__})"
+    return type_problem(ann, value, f"config.json key {key!r}" if key else name)
 
 
 # ModelConfig field -> config.json key, for messages that name the key the user has to fix
