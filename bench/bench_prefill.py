@@ -233,7 +233,7 @@ def _what_ran(mode: str, wl, args, card: dict) -> dict:
     return {
         "model": cfg.name, "arch": cfg.arch, "mode": mode, "passes": args.passes if mode == "passes" else "none",
         "ep": cfg.ep_size, "new_tokens": wl.new_tokens, "cached_tokens": wl.cached_tokens, "seqs": wl.seqs,
-        "steps": args.steps,
+        "steps": args.steps, "faithful_rounding": None if mode == "eager" else args.faithful_rounding == "on",
         **{k: card[k] for k in ("device", "dtype", "torch", "peaks", "shared_experts", "engram_table_rows", "gate_bias",
                                   "ptxas", "fp4_tiles")},
     }

@@ -61,6 +61,7 @@ def test_result_line_fields(eager):
     assert (res["new_tokens"], res["cached_tokens"], res["steps"]) == (16, 64, 1)
     assert res["ms_per_step"] > 0 and res["input_tok_per_s_per_gpu"] > 0 and res["mfu"] >= 0
     assert res["pass_matches"] is None  # eager: no passes
+    assert res["faithful_rounding"] is None  # eager: nothing compiled (compiled modes record the setting)
     assert res["logits_finite"] is True
     assert {k: v for k, v in results[0].items() if k != "speedup_vs"} == {
         k: v for k, v in res.items() if k != "speedup_vs"}
@@ -133,6 +134,7 @@ def test_stock_compile_mode(tmp_path):
         _, lines = run(tmp_path, "--modes", "compile", "--backend", "aot_eager", "--dtype", "float32")
     res = lines[0]
     assert (res["mode"], res["passes"], res["compile_scope"]) == ("compile", "none", "layer")
+    assert res["faithful_rounding"] is True  # the default, recorded with the result
     assert res["pass_matches"] is None
     assert res["logits_finite"] is True
     assert res["stages_ms"]["moe"] > 0
