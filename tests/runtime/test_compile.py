@@ -42,7 +42,8 @@ def test_faithful_rounding_keeps_compiled_bf16_near_eager():
     Measured here (all 24 positions of the golden prompt, one prefill step): faithful rounding rel-RMS 0.120 from
     eager, argmax agreement 0.83, the first position that differs by > 1e-3 is the third; Inductor's stock rounding
     (``faithful_rounding=False``, fused bf16 intermediates kept in fp32) rel-RMS 0.508, argmax agreement 0.46,
-    differing from the first position. Not bit-equal even when faithful: Inductor's fused fp32 reductions (norms,
+    differing from the first position. Not bit-equal even when faithful, likely (not yet traced per layer) because
+    Inductor's fused fp32 reductions (norms,
     softmax, the mHC sums) add in another order than eager's kernels, and with fake quant on a last-bit difference
     flips FP8 / FP4 roundings and top-k picks that cascade through the layers (eager itself moves by rel-RMS 0.31
     when only the chunking changes: tests/model/test_golden.py). The bounds sit between the two measured
