@@ -18,7 +18,11 @@ compiled step runs under:
   where eager rounds every op's output to bf16; with fake quant that flips FP8 roundings and top-k picks, and a
   compiled tiny model generated other greedy tokens than eager. ``torch._inductor.config.emulate_precision_casts``
   makes Inductor round where eager does. It is patched around the inner backend's call, which is where Inductor
-  lowers and generates code for the graph (its FX graph cache keys on the setting). ``False`` patches it off.
+  lowers and generates code for the graph (its FX graph cache keys on the setting). On a CPU graph the reductions
+  and transcendentals also run as ATen's kernels (``runtime/exact_cpu.py``: Inductor's own sum in another order),
+  so a compiled CPU step equals the eager step bitwise (tiny V4.1 / V4, no passes; the passes' ops sum in their
+  own order).
+  ``False`` patches both off.
 - **Progress**: logger ``minidi.compile`` at INFO (and ``progress(line)`` if given): a start and an end line for the
   step's compile, and, per layer kind compiled by ``regional=True``, its layers, seconds and Inductor cache hits.
 
@@ -38,6 +42,7 @@ from torch.fx import GraphModule
 
 from minidi.model.config import ModelConfig
 from minidi.passes import PassManager
+from minidi.runtime.exact_cpu import all_cpu, aten_kernels
 
 log = logging.getLogger("minidi.compile")
 
@@ -101,13 +106,17 @@ def _call_settings(dynamic: bool | None, recompile_limit: int | None) -> context
     return stack
 
 
-def _rounding_config(faithful: bool) -> Any:
-    """Inductor's setting for rounding fused intermediates where eager rounds (absent in old torch: no-op)."""
+def _rounding_config(faithful: bool, cpu_graph: bool = False) -> contextlib.ExitStack:
+    """Inductor's setting for rounding fused intermediates where eager rounds (absent in old torch: no-op), and for
+    a faithful CPU graph ATen's reduction and transcendental kernels (``exact_cpu``: the step is eager's, bitwise)."""
     import torch._inductor.config as inductor_config
 
-    if not hasattr(inductor_config, "emulate_precision_casts"):  # pragma: no cover (torch < 2.6)
-        return contextlib.nullcontext()
-    return inductor_config.patch(emulate_precision_casts=faithful)
+    stack = contextlib.ExitStack()
+    if hasattr(inductor_config, "emulate_precision_casts"):  # absent before torch 2.6
+        stack.enter_context(inductor_config.patch(emulate_precision_casts=faithful))
+    if faithful and cpu_graph:
+        stack.enter_context(aten_kernels())
+    return stack
 
 
 def _inductor_cache_counts() -> Counter:
@@ -130,7 +139,7 @@ def make_backend(manager: PassManager, inner: str | Callable = "inductor", *, fa
         before = manager.layer_counts.get(layer)
         manager.run(gm)
         try:
-            with _rounding_config(faithful_rounding):
+            with _rounding_config(faithful_rounding, all_cpu(example_inputs)):
                 return inner_fn(gm, example_inputs)
         except BaseException:  # e.g. a restart of the trace: this graph is discarded, so forget its counts
             del manager.history[n:]
