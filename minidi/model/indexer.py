@@ -9,11 +9,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from minidi.selection import topk_set
+
 from .compressor import CompressorV4
 from .config import ModelConfig
 from .context import RatioMeta
 from .layers import FP8Linear, Linear, RMSNorm, apply_rope
 from .quant import fq4_ue8m0, hadamard
+
+
+_AFTER_ALL = 1 << 62  # sorts a -inf pick after every column
+_PICK_BYTES = 16  # the top-k's temporaries per score (the NaN-free copy, masks, int32 ranks, the top-k's own)
 
 
 def _score_row_bytes(q: torch.Tensor, k: torch.Tensor) -> int:
@@ -24,6 +30,14 @@ def _head_weighted_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor) -> 
     """sum_h w[t, h] * relu(q[t, h] . k[j]) -> [T, N], in q's dtype (the unchunked chain, one chunk of queries)."""
     scores = torch.einsum("thd,nd->thn", q, k.to(q.dtype))
     return (scores.relu() * w.to(q.dtype).unsqueeze(-1)).sum(dim=1)
+
+
+def _pick(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """The indexer's picks of scores [T, N]: the top-k set (ties to the lowest column), ascending, then -1 for picks
+    scored -inf. [T, k] int64: the Triton top-k's output order, so that both attend to the same keys in one order."""
+    idx = topk_set(scores, k)  # [T, k] ascending
+    idx = torch.where(scores.gather(1, idx) > float("-inf"), idx, _AFTER_ALL).sort(dim=-1).values
+    return idx.masked_fill(idx == _AFTER_ALL, -1)
 
 
 def indexer_topk_naive(
@@ -42,34 +56,40 @@ def indexer_topk_naive(
     q [T, Hi, di], k [N, di] (the step's view of compressed entries; a query's own sequence occupies
     [k_start, k_start + its entry count)), w [T, Hi], k_start/k_end [T] int, allowed [T, N] bool or None.
     The score runs in the activation dtype, as the official indexer (bf16 einsum, relu*weights and head sum).
-    Returns (idx [T, min(topk, N)] int64, -1 for picks outside the visible range, scores [T, N]).
+    Returns (idx [T, min(topk, N)] int64, scores [T, N]): idx holds the top-k set in ascending column order, exact
+    score ties to the lowest column (``minidi.selection.topk_set``: the same picks whatever else shares the step),
+    then -1 for picks scored -inf (outside the visible range or not ``allowed``, when fewer than topk are visible).
 
     ``budget`` None: the whole chain (the form torch.compile traces: pass B's target; Inductor fuses the relu /
     weight / sum into one reduction over the product). Bytes: the same math with the [T, Hi, N] product built a
     few query rows at a time under ``budget`` (an eager run's memory budget, ``Transformer.set_eager_budget``: at
     4,096 queries x 32 heads x 131,072 entries the whole product is 32 GiB in bf16, and the relu / weight
-    temporaries triple it).
+    temporaries triple it), and the top-k's [T, N] temporaries (~16 B per score) likewise.
     """
+    n = k.shape[0]
     if budget is None or q.shape[0] * _score_row_bytes(q, k) <= budget:
         scores = _head_weighted_scores(q, k, w)  # [T, N] (a [T, Hi, N] product inside)
     else:
         rows = max(1, budget // _score_row_bytes(q, k))
         scores = torch.cat([_head_weighted_scores(qc, k, wc) for qc, wc in zip(q.split(rows), w.split(rows))])
-    j = torch.arange(k.shape[0], device=q.device).unsqueeze(0)
+    j = torch.arange(n, device=q.device).unsqueeze(0)
     lo, hi = k_start.unsqueeze(1), k_end.unsqueeze(1)
     scores = scores.masked_fill((j < lo) | (j >= hi), float("-inf"))
     if allowed is not None:
         scores = scores.masked_fill(~allowed, float("-inf"))
-    idx = scores.topk(min(topk, k.shape[0]), dim=-1).indices
-    idx = torch.where((idx >= lo) & (idx < hi), idx, -1)
-    return idx, scores
+    kk = min(topk, n)
+    if budget is None or q.shape[0] * n * _PICK_BYTES <= budget:
+        return _pick(scores, kk), scores
+    rows = max(1, budget // (n * _PICK_BYTES))
+    return torch.cat([_pick(s, kk) for s in scores.split(rows)]), scores
 
 
 def candidate_mask(
     scores: torch.Tensor, k_start: torch.Tensor, k_end: torch.Tensor, keep_blocks: int, block: int
 ) -> torch.Tensor:
     """V4.1 pre-filter (candidate source layer): keep the ``keep_blocks`` blocks of ``block`` entries with the
-    highest max score, always keeping the newest (partly filled) visible block; picks scored -inf are dropped.
+    highest max score (ties to the lower block), always keeping the newest (partly filled) visible block; picks
+    scored -inf are dropped.
     Blocks count from each sequence's first entry (its view segment starts at a multiple of ``block``).
     scores [T, N] -> mask [T, N] bool."""
     t, n = scores.shape
@@ -78,8 +98,8 @@ def candidate_mask(
     newest = ((k_end - 1).clamp(min=0) // block).unsqueeze(1)  # [T, 1]
     force = torch.zeros_like(bs, dtype=torch.bool).scatter(1, newest, (k_end > k_start).unsqueeze(1))
     bs = bs.masked_fill(force, float("inf"))
-    vals, blocks = bs.topk(min(keep_blocks, bs.shape[1]), dim=-1)
-    keep = torch.zeros_like(bs, dtype=torch.bool).scatter(1, blocks, vals > float("-inf"))
+    blocks = topk_set(bs, min(keep_blocks, bs.shape[1]))  # [T, kb]: block-max ties go to the lower block
+    keep = torch.zeros_like(bs, dtype=torch.bool).scatter(1, blocks, bs.gather(1, blocks) > float("-inf"))
     return keep[:, torch.arange(n, device=keep.device) // block]  # [T, N], contiguous (stride independent of pad)
 
 

@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from minidi.selection import topk_lowest_index
+
 from .config import ModelConfig
 from .expert_parallel import ExpertExchange, LocalExperts
 from .layers import FP8Linear, e8m0_bytes, scale_param, weight_param
@@ -34,13 +36,14 @@ class Gate(nn.Module):
                 self.bias_vl = weight_param(cfg.n_routed_experts, dtype=torch.float32)  # image tokens only
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, D] -> expert ids [T, k] int64, weights [T, k] fp32. The bias only selects."""
+        """x [T, D] -> expert ids [T, k] int64, weights [T, k] fp32. The bias only selects: the k highest
+        s + bias, in descending order, exact ties to the lowest expert id (``minidi.selection.topk_lowest_index``)."""
         logits = gate_logits_fp32(x, self.weight)  # [T, E]
         s = torch.sqrt(F.softplus(logits))
         if self.hash:
             idx = self.tid2eid[input_ids]
         else:
-            idx = (s + self.bias.float()).topk(self.cfg.n_activated_experts, dim=-1).indices
+            idx = topk_lowest_index(s + self.bias.float(), self.cfg.n_activated_experts)[1]
         w = s.gather(1, idx)
         w = w / (w.sum(dim=-1, keepdim=True) + 1e-20) * self.cfg.route_scale
         return idx, w

@@ -278,9 +278,9 @@ def indexer_topk(
     """Drop-in for the model's ``indexer_topk_naive`` (same arguments, same return shapes).
 
     q [T, H, D], k [N, D], w [T, H], k_start/k_end [T] int, allowed [T, N] bool or None.
-    Returns (idx [T, min(topk, N)] int64, scores [T, N] fp32). idx holds the top-k set in ascending key order, then -1
-    for picks whose score is -inf (the naive path returns the same set in descending score order, and keeps the
-    index of a visible pick that ``allowed`` masked to -inf, which only happens when fewer than topk are allowed).
+    Returns (idx [T, min(topk, N)] int64, scores [T, N] fp32). idx holds the top-k set in ascending key order, exact
+    ties to the lowest key, then -1 for picks whose score is -inf: the naive path's order and tie-break, so the two
+    agree exactly on equal scores (the naive scores are in the activation dtype: in bf16 the sets can differ).
     Without ``allowed`` the score kernel also writes each key block's max, which gives the top-k its bound.
     """
     t, n = q.shape[0], k.shape[0]

@@ -26,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from minidi.selection import topk_set
+
 from ._triton_utils import cannot_run, interpreting, resolve_backend, triton_can_run
 
 NEG_KEY = tl.constexpr(-2139095041)  # key(-inf): every finite score has a larger key
@@ -296,7 +298,9 @@ def _(scores, k, k_start, k_end, cmax, cmax_chunk):
 def topk_indices_ref(
     scores: torch.Tensor, k: int, k_end: torch.Tensor | None = None, k_start: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """torch.topk, then the op's conventions: ascending columns, -1 (at the end) for -inf / invisible picks."""
+    """The model's lowest-index-first top-k set (``minidi.selection.topk_set``), then the op's conventions:
+    ascending columns, -1 (at the end) for -inf / invisible picks. Equals the kernel exactly (NaN aside: ranked as
+    +inf here, by its bits in the kernel)."""
     t, n = scores.shape
     j = torch.arange(n, device=scores.device)
     s = scores
@@ -305,8 +309,8 @@ def topk_indices_ref(
     if k_start is not None:
         s = s.masked_fill(j < k_start[:, None], float("-inf"))
     kk = min(k, n)
-    v, i = s.topk(kk, dim=-1)
-    i = torch.where(v > float("-inf"), i, n).sort(dim=-1).values
+    i = topk_set(s, kk)  # [T, kk] ascending
+    i = torch.where(s.gather(1, i) > float("-inf"), i, n).sort(dim=-1).values
     i = torch.where(i < n, i, -1)
     if kk < k:
         i = torch.cat([i, i.new_full((t, k - kk), -1)], dim=1)
@@ -322,8 +326,9 @@ def topk_indices(
     scores [T, N] fp32/bf16/fp16; k int in [0, 2048] (k > N pads with -1); k_end / k_start [T] int (optional): only
     columns in [k_start, k_end) are considered (the kernel does not read the rest).
     Returns idx [T, k] int64: the picked columns in ascending order, then -1 for picks whose score is -inf (or that
-    are outside the range). The set equals torch.topk's up to exact ties (ties at the threshold go to lower columns).
-    ``backend``: "auto" (the kernel where it can run, else the reference), "triton" or "ref" (``torch.topk``).
+    are outside the range). The set equals torch.topk's up to exact ties, which go to the lowest columns (as in the
+    model's ``minidi.selection.topk_set``). ``backend``: "auto" (the kernel where it can run, else the reference),
+    "triton" or "ref" (plain torch).
     """
     if not isinstance(scores, torch.Tensor) or scores.dim() != 2 or scores.dtype not in _SCORE_DTYPES:
         raise ValueError(f"scores must be a [T, N] fp32/bf16/fp16 tensor, got "

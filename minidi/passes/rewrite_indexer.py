@@ -8,16 +8,21 @@ Naive subgraph (Dynamo FX; the ``allowed`` line only in V4.1 re-index layers)::
     j   = arange(N).unsqueeze(0); lo = k_start.unsqueeze(1); hi = k_end.unsqueeze(1)
     s   = s.masked_fill((j < lo) | (j >= hi), -inf)
     s   = s.masked_fill(~allowed, -inf)
-    idx = s.topk(min(topk, N), dim=-1).indices
-    idx = where((idx >= lo) & (idx < hi), idx, -1)                     # -> (idx, s)
+    idx = topk_set(s, min(topk, N))                                     # minidi.selection.topk_set, inlined:
+        key  = s.masked_fill(s.isnan(), inf)
+        thr  = pad(key.topk(K, dim=-1)[0], (0, 1), value=inf).amin(dim=-1, keepdim=True)
+        rank = where(key > thr, 1, where(key == thr, -arange(N, dtype=int32), INT32_MIN))
+        idx  = rank.topk(K, dim=-1)[1].sort(dim=-1)[0]
+    idx = where(s.gather(1, idx) > -inf, idx, AFTER).sort(dim=-1)[0]  # -inf picks last
+    idx = idx.masked_fill(idx == AFTER, -1)                             # -> (idx, s)
 
 Replacement::
 
     idx, s = indexer_topk(q, k, w, k_start, k_end, topk, allowed)      # [T, N] scores written once, Triton top-k
 
-The op returns the same top-k *set* in ascending key order (attention does not depend on the order) and -1 for
-picks scored -inf. Refused: another contraction (e.g. ``"thd,tnd->thn"``), a sum over another dim, a range mask
-that is not ``[k_start, k_end)``, a ``where`` with another predicate or fill.
+The op returns the same picks in the same order: the top-k set in ascending key order, exact ties to the lowest key,
+then -1 for picks scored -inf. Refused: another contraction (e.g. ``"thd,tnd->thn"``), a sum over another dim, a
+range mask that is not ``[k_start, k_end)``, a top-k with another tie-break or -1 rule (e.g. a plain ``topk``).
 """
 
 from __future__ import annotations
@@ -35,6 +40,74 @@ from .fx_utils import arg, dims_equal, dtype, is_call, is_literal, n_args, norma
 _QK = (torch.bfloat16, torch.float16, torch.float32)
 
 
+_INT32_MIN = torch.iinfo(torch.int32).min
+
+
+def _sorted(node) -> Node | None:
+    """node = x.sort(dim=-1)[0] (ascending) -> the sort node."""
+    if not (is_call(node, "getitem") and node.args[1] == 0 and is_call(node.args[0], "sort")):
+        return None
+    srt = node.args[0]
+    if not (n_args(srt) == 2 and dims_equal(arg(srt, 1, "dim"), -1, 1)) or len(srt.users) != 1:
+        return None
+    return srt
+
+
+def _topk(node, x: Node, index: int) -> Node | None:
+    """node = x.topk(K, dim=-1)[index] -> K."""
+    if not (is_call(node, "getitem") and node.args[1] == index and is_call(node.args[0], "topk")):
+        return None
+    tk = node.args[0]
+    if tk.args[0] is not x or not (n_args(tk) == 3 and dims_equal(arg(tk, 2, "dim"), -1, 1)) or len(tk.users) != 1:
+        return None
+    return arg(tk, 1, "k")
+
+
+def _topk_set(node, s: Node) -> tuple[object, object, set[Node]] | None:
+    """node = minidi.selection.topk_set(s, K) (inlined: see the module docstring) -> (K, N of the arange, its nodes)."""
+    srt = _sorted(node)
+    if srt is None or not (is_call(srt.args[0], "getitem") and is_call(srt.args[0].args[0], "topk")):
+        return None
+    ti = srt.args[0]
+    rank_ = ti.args[0].args[0]
+    kk = _topk(ti, rank_, 1)
+    # rank = where(key > thr, 1, where(key == thr, -j, INT32_MIN))
+    if kk is None or not (is_call(rank_, "where") and len(rank_.args) == 3 and is_literal(rank_.args[1], 1)):
+        return None
+    gt, inner = rank_.args[0], rank_.args[2]
+    if not (is_call(inner, "where") and len(inner.args) == 3 and is_literal(inner.args[2], _INT32_MIN)):
+        return None
+    eq, neg = inner.args[0], inner.args[1]
+    if not (is_call(gt, "gt") and is_call(eq, "eq") and is_call(neg, "neg") and len(neg.args) == 1):
+        return None
+    key, thr = gt.args
+    if list(eq.args) != [key, thr]:
+        return None
+    j = neg.args[0]
+    if not (is_call(j, "arange") and len(j.args) == 1 and j.kwargs.get("dtype") == torch.int32):
+        return None
+    # key = s.masked_fill(s.isnan(), inf)
+    if not (is_call(key, "masked_fill") and n_args(key) == 3 and key.args[0] is s):
+        return None
+    nan = arg(key, 1, "mask")
+    if not (is_literal(arg(key, 2, "value"), math.inf) and is_call(nan, "isnan") and nan.args[0] is s):
+        return None
+    # thr = pad(key.topk(K, dim=-1)[0], (0, 1), value=inf).amin(dim=-1, keepdim=True)
+    if not (is_call(thr, "amin") and dims_equal(arg(thr, 1, "dim"), -1, 1) and arg(thr, 2, "keepdim") is True):
+        return None
+    pad = thr.args[0]
+    if not (is_call(pad, "pad") and isinstance(arg(pad, 1, "pad"), (tuple, list)) and tuple(pad.args[1]) == (0, 1)):
+        return None
+    if not (arg(pad, 2, "mode", "constant") == "constant" and is_literal(arg(pad, 3, "value"), math.inf)):
+        return None
+    tv = pad.args[0]
+    k2 = _topk(tv, key, 0)
+    if not (k2 is kk or (isinstance(kk, int) and k2 == kk)):
+        return None
+    nodes = {node, srt, ti, ti.args[0], rank_, gt, inner, eq, neg, j, key, nan, thr, pad, tv, tv.args[0]}
+    return kk, j.args[0], nodes
+
+
 def _unsq(node, dim: int) -> Node | None:
     if is_call(node, "unsqueeze") and n_args(node) == 2 and is_literal(arg(node, 1, "dim"), dim):
         return node.args[0]
@@ -46,30 +119,35 @@ class IndexerTopK(Rewrite):
     name = "indexer_topk"
 
     def match(self, node: Node) -> Match | None:  # noqa: C901
-        # idx = where((idx0 >= lo) & (idx0 < hi), idx0, -1)
-        if not (is_call(node, "where") and len(node.args) == 3 and not node.kwargs and is_literal(node.args[2], -1)):
+        # node = idx1.masked_fill(idx1 == AFTER, -1); idx1 = where(s.gather(1, idx0) > -inf, idx0, AFTER).sort(-1)[0]
+        if not (is_call(node, "masked_fill") and n_args(node) == 3 and is_literal(arg(node, 2, "value"), -1)):
             return None
-        cond, idx0 = node.args[0], node.args[1]
-        if not (is_call(cond, "and") and len(cond.args) == 2):
+        idx1, eq = node.args[0], arg(node, 1, "mask")
+        if not (is_call(eq, "eq") and len(eq.args) == 2 and eq.args[0] is idx1 and isinstance(eq.args[1], int)):
             return None
-        ge, lt = cond.args
-        if not (is_call(ge, "ge") and is_call(lt, "lt") and ge.args[0] is idx0 and lt.args[0] is idx0):
+        after = eq.args[1]  # a sentinel past every column: -inf picks sort last
+        if after < 2**31:
             return None
-        lo, hi = ge.args[1], lt.args[1]
-        k_start, k_end = _unsq(lo, 1), _unsq(hi, 1)
-        if k_start is None or k_end is None:
+        srt = _sorted(idx1)
+        if srt is None or not (is_call(srt.args[0], "where") and len(srt.args[0].args) == 3):
             return None
-        # idx0 = s.topk(K, dim=-1)[1]
-        if not (is_call(idx0, "getitem") and idx0.args[1] == 1 and is_call(idx0.args[0], "topk")):
+        sel = srt.args[0]
+        gt, idx0 = sel.args[0], sel.args[1]
+        if not (is_literal(sel.args[2], after) and is_call(gt, "gt") and is_literal(gt.args[1], -math.inf)):
             return None
-        tk = idx0.args[0]
-        if not (n_args(tk) == 3 and dims_equal(arg(tk, 2, "dim"), -1, 1) and len(tk.users) == 1):
+        ga = gt.args[0]
+        if not (is_call(ga, "gather") and n_args(ga) == 3 and dims_equal(arg(ga, 1, "dim"), 1, -1)):
             return None
-        kk = arg(tk, 1, "k")
-        scores = tk.args[0]
+        if arg(ga, 2, "index") is not idx0:
+            return None
+        scores = ga.args[0]
+        chosen = _topk_set(idx0, scores)
+        if chosen is None:
+            return None
+        kk, n_cols, set_nodes = chosen
+        nodes = {node, eq, idx1, srt, sel, gt, ga} | set_nodes
         # optional: scores = s1.masked_fill(~allowed, -inf)
         allowed = None
-        nodes = {node, cond, ge, lt, idx0, tk}
         s1 = scores
         if is_call(scores, "masked_fill") and is_call(arg(scores, 1, "mask"), "invert"):
             inv = arg(scores, 1, "mask")
@@ -86,7 +164,9 @@ class IndexerTopK(Rewrite):
         jl, jh = rng.args
         if not (is_call(jl, "lt") and is_call(jh, "ge") and jl.args[0] is jh.args[0]):
             return None
-        if jl.args[1] is not lo or jh.args[1] is not hi:
+        lo, hi = jl.args[1], jh.args[1]
+        k_start, k_end = _unsq(lo, 1), _unsq(hi, 1)
+        if k_start is None or k_end is None:
             return None
         j = _unsq(jl.args[0], 0)
         if not (is_call(j, "arange") and len(j.args) == 1):
@@ -128,7 +208,7 @@ class IndexerTopK(Rewrite):
         # the op's contract
         if rank(q) != 3 or rank(k) != 2 or rank(w) != 2 or qdt not in _QK or dtype(k) not in _QK:
             return None
-        if not same_int(j.args[0], val(k).shape[0]):
+        if not (same_int(j.args[0], val(k).shape[0]) and same_int(n_cols, val(k).shape[0])):
             return None
         for x in (k_start, k_end):
             if rank(x) != 1 or dtype(x) not in (torch.int32, torch.int64):

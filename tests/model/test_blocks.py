@@ -84,7 +84,8 @@ def test_sparse_attention_sink_is_denominator_only_and_bf16_rounding():
 
 def test_indexer_topk_eager_query_chunks_equal_the_whole_product(monkeypatch):
     """Under an eager budget the [T, Hi, N] product is built in query chunks (memory only): same scores, same
-    picks, for chunk sizes that do and do not divide T (ragged last chunk) and for 1-row chunks."""
+    picks, for chunk sizes that do and do not divide T (ragged last chunk) and for 1-row chunks. These budgets also
+    run the top-k in row chunks (its temporaries, ``_PICK_BYTES`` per score)."""
     from minidi.model import indexer
 
     g = torch.Generator().manual_seed(3)

@@ -1,9 +1,9 @@
 """minidi::topk_indices vs torch.topk (CPU under TRITON_INTERPRET=1; @gpu at the V4.1-Flash shape on CUDA).
 
-Exactness: with distinct scores the picked set equals torch.topk's exactly (compared after the op's conventions:
-ascending columns, -1 padding at the end). With ties the multiset of picked values equals torch.topk's (which ties
-are taken may differ; ours takes the lowest columns). Small NS / CAP configs drive every path of the kernel on tiny
-rows: the set-maxima bound, the compaction, the fused bound (cmax), and the whole-row fallback for massive ties.
+Exactness: the kernel's output equals the reference's exactly (ascending columns, -1 padding at the end), ties
+included: both take the lowest columns among exact ties (the reference is ``minidi.selection.topk_set``), and with
+crafted ties both equal a brute-force fp64 ranking. Small NS / CAP configs drive every path of the kernel on
+tiny rows: the set-maxima bound, the compaction, the fused bound (cmax), and the whole-row fallback for massive ties.
 Legend: T rows, N columns, K picks.
 """
 
@@ -29,14 +29,26 @@ def picked_values(scores: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return v.sort(dim=1, descending=True).values
 
 
-def check_against_torch(scores, k, idx, k_end=None, k_start=None, exact=True):
+def brute_force(scores, k, k_end=None, k_start=None) -> torch.Tensor:
+    """Per row: the k visible columns by (score descending, column ascending) in fp64 Python, the finite ones in
+    ascending column order, then -1."""
+    t, n = scores.shape
+    out = []
+    for r, row in enumerate(scores.double().tolist()):
+        lo = 0 if k_start is None else max(0, int(k_start[r]))
+        hi = n if k_end is None else min(n, int(k_end[r]))
+        cols = sorted(range(lo, max(lo, hi)), key=lambda j: (-row[j], j))[:k]
+        picks = sorted(j for j in cols if row[j] > float("-inf"))
+        out.append(picks + [-1] * (k - len(picks)))
+    return torch.tensor(out, dtype=torch.int64, device=scores.device).view(t, k)
+
+
+def check_against_torch(scores, k, idx, k_end=None, k_start=None):
     ref = topk_indices_ref(scores, k, k_end, k_start)
     assert idx.shape == ref.shape and idx.dtype == torch.int64
-    if exact:
-        assert torch.equal(idx, ref)
-    else:  # ties: same multiset of values, same number of -1, ascending valid columns first
-        assert torch.equal((idx < 0).sum(1), (ref < 0).sum(1))
-        assert torch.equal(picked_values(scores, idx), picked_values(scores, ref))
+    assert torch.equal(idx, ref)  # ties included: both take the lowest columns
+    assert torch.equal((idx < 0).sum(1), (ref < 0).sum(1))
+    assert torch.equal(picked_values(scores, idx), picked_values(scores, ref))
     valid = idx >= 0
     assert torch.all(valid[:, :-1] | ~valid[:, 1:])  # -1 only at the end
     d = idx[:, 1:] - idx[:, :-1]
@@ -73,8 +85,9 @@ def test_ties_and_fallback():
     scores[2, 100] = 0.0  # -0.0 and +0.0 are equal scores
     scores[3, 7] = 1e30
     idx = _launch_topk(scores, k, out=poisoned(t, k), **SMALL)
-    check_against_torch(scores, k, idx, exact=False)
-    assert torch.equal(idx[1], torch.arange(k, device=DEV))  # ties go to the lowest columns
+    check_against_torch(scores, k, idx)
+    assert torch.equal(idx, brute_force(scores, k))  # ties go to the lowest columns
+    assert torch.equal(idx[1], torch.arange(k, device=DEV))
 
 
 def test_fused_bound_from_chunk_maxima():
@@ -115,7 +128,45 @@ def test_fused_bound_needs_2k_chunks():
 def test_low_precision_scores(dtype):
     scores = torch.randn(3, 500, device=DEV).to(dtype)
     idx = _launch_topk(scores, 8, **SMALL)
-    check_against_torch(scores, 8, idx, exact=False)  # bf16 has ties
+    check_against_torch(scores, 8, idx)  # bf16 has ties: the same lowest columns
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["own_bound", "fused_bound"])
+def test_crafted_ties_ragged_ranges_and_inf_rows(fused):
+    """Exact ties at the threshold on few levels, ragged visible ranges (not multiples of a chunk), -inf rows, rows
+    with fewer visible columns than k and one with more tied candidates than CAP: kernel == reference == brute
+    force. Fresh inputs each run (seed in the message)."""
+    seed = int(torch.randint(0, 2**31 - 1, ()))
+    g = torch.Generator().manual_seed(seed)
+    t, n, k = 8, 613, 8
+    scores = (torch.randint(0, 5, (t, n), generator=g).float() * 0.25).to(DEV)  # ~120 copies of each level
+    scores[0] = float("-inf")  # nothing finite
+    scores[1, ::2] = float("-inf")
+    scores[2, 39:] = float("-inf")  # visible [37, 40): 2 finite, 1 -inf pick (-1), fewer than k
+    scores[3] = 1.0  # all tied: more than CAP candidates (the whole-row fallback)
+    scores[4, 300] = float("inf")
+    k_start = torch.tensor([0, 3, 37, 0, 1, 500, 17, 0], device=DEV)
+    k_end = torch.tensor([613, 600, 40, 613, 612, 505, 18, 613], device=DEV)
+    cmax, ch = None, 0
+    if fused:  # the score kernel's chunk maxima (of the scores with everything outside the range at -inf)
+        ch = 16
+        j = torch.arange(n, device=DEV)
+        vis = scores.masked_fill((j < k_start[:, None]) | (j >= k_end[:, None]), float("-inf"))
+        cmax = torch.nn.functional.pad(vis, (0, -n % ch), value=float("-inf")).view(t, -1, ch).amax(2)
+    idx = _launch_topk(scores, k, k_start, k_end, cmax, ch, out=poisoned(t, k), **SMALL)
+    check_against_torch(scores, k, idx, k_end, k_start)
+    assert torch.equal(idx, brute_force(scores, k, k_end, k_start)), f"seed {seed}"
+    assert torch.all(idx[0] == -1) and (idx[2] >= 0).sum() == 2 and (idx[6] >= 0).sum() == 1
+
+
+def test_brute_force_check_sees_another_tie_break():
+    """The check above can fail: a highest-column-first tie-break on 20 tied columns for 8 picks differs from the
+    brute force (which the reference matches)."""
+    scores = torch.zeros(1, 40, device=DEV)
+    scores[0, ::2] = 1.0
+    highest = (39 - torch.arange(8, device=DEV) * 2).flip(0).view(1, 8)
+    assert not torch.equal(highest, brute_force(scores, 8))
+    assert torch.equal(topk_indices_ref(scores, 8), brute_force(scores, 8))
 
 
 def test_k_larger_than_n_and_empty():

@@ -7,7 +7,6 @@ Refresh the snapshots with ``EXPECTTEST_ACCEPT=1 pytest tests/passes/test_rewrit
 
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch
@@ -20,6 +19,7 @@ from minidi.model.context import RatioMeta
 from minidi.model.indexer import indexer_topk_naive
 from minidi.model.moe import dequant_expert_stack, gate_logits_fp32, grouped_mm, moe_combine_naive
 from minidi.model.quant import quantize_fp4
+from minidi.selection import topk_set
 from minidi.model.sparse_attention import sparse_attention_naive
 from minidi.passes import PassMatchError
 
@@ -299,9 +299,8 @@ def test_indexer_rewrite(allowed):
     ref_idx, ref_scores = m(*args)
     assert mgr.counts == {"B": 1}
     torch.testing.assert_close(scores, ref_scores, rtol=1e-5, atol=1e-5)
-    # the same top-k set (the op lists it in ascending key order, -1 for picks scored -inf)
-    ref = ref_idx.masked_fill(torch.gather(ref_scores, 1, ref_idx.clamp(min=0)) == -math.inf, -1)
-    assert torch.equal(idx.sort(dim=1).values, ref.sort(dim=1).values)
+    # the same picks in the same order: ascending keys, -1 (last) for picks scored -inf
+    assert torch.equal(idx, ref_idx)
     if not allowed:
         assert_expected_inline(graph_text(after), """\
 class GraphModule(torch.nn.Module):
@@ -312,33 +311,57 @@ class GraphModule(torch.nn.Module):
         l_args_3_ = L_args_3_
         l_args_4_ = L_args_4_
         indexer_topk = minidi_ops_indexer_score_indexer_topk(l_args_0_, l_args_1_, l_args_2_, l_args_3_, l_args_4_, 4, None, backend = 'auto');  l_args_0_ = l_args_1_ = l_args_2_ = l_args_3_ = l_args_4_ = None
-        getitem_2: "i64[6, 4]" = indexer_topk[0]
-        getitem_3: "f32[6, 24]" = indexer_topk[1];  indexer_topk = None
-        return (getitem_2, getitem_3)
+        getitem_8: "i64[6, 4]" = indexer_topk[0]
+        getitem_9: "f32[6, 24]" = indexer_topk[1];  indexer_topk = None
+        return (getitem_8, getitem_9)
 """)
 
 
-def test_indexer_lookalike_other_contraction_and_predicate():
+def _picks(s, kk):  # the naive indexer's picks (indexer._pick), written out
+    idx = topk_set(s, kk)
+    idx = torch.where(s.gather(1, idx) > float("-inf"), idx, 1 << 62).sort(dim=-1).values
+    return idx.masked_fill(idx == 1 << 62, -1)
+
+
+def test_indexer_lookalike_other_contraction_range_and_tie_break():
     def per_token_keys(q, k, w, k_start, k_end, topk=4):  # "thd,tnd->thn": another contraction
         s = torch.einsum("thd,tnd->thn", q, k.to(q.dtype))
         s = (s.relu() * w.to(q.dtype).unsqueeze(-1)).sum(dim=1)
         j = torch.arange(k.shape[1]).unsqueeze(0)
         lo, hi = k_start.unsqueeze(1), k_end.unsqueeze(1)
         s = s.masked_fill((j < lo) | (j >= hi), float("-inf"))
-        idx = s.topk(topk, dim=-1).indices
-        return torch.where((idx >= lo) & (idx < hi), idx, -1), s
+        return _picks(s, topk), s
 
-    def other_predicate(q, k, w, k_start, k_end, topk=4):  # the final where tests only idx >= lo
+    def other_range(q, k, w, k_start, k_end, topk=4):  # the mask tests only j < lo
+        s = torch.einsum("thd,nd->thn", q, k.to(q.dtype))
+        s = (s.relu() * w.to(q.dtype).unsqueeze(-1)).sum(dim=1)
+        j = torch.arange(k.shape[0]).unsqueeze(0)
+        s = s.masked_fill(j < k_start.unsqueeze(1), float("-inf"))
+        return _picks(s, topk), s
+
+    def plain_topk(q, k, w, k_start, k_end, topk=4):  # torch.topk's tie-break (the naive chain before issue 19)
         s = torch.einsum("thd,nd->thn", q, k.to(q.dtype))
         s = (s.relu() * w.to(q.dtype).unsqueeze(-1)).sum(dim=1)
         j = torch.arange(k.shape[0]).unsqueeze(0)
         lo, hi = k_start.unsqueeze(1), k_end.unsqueeze(1)
         s = s.masked_fill((j < lo) | (j >= hi), float("-inf"))
         idx = s.topk(topk, dim=-1).indices
-        return torch.where(idx >= lo, idx, -1), s
+        return torch.where((idx >= lo) & (idx < hi), idx, -1), s
+
+    def small_sentinel(q, k, w, k_start, k_end, topk=4):  # a "past every column" sentinel that is a column
+        s = torch.einsum("thd,nd->thn", q, k.to(q.dtype))
+        s = (s.relu() * w.to(q.dtype).unsqueeze(-1)).sum(dim=1)
+        j = torch.arange(k.shape[0]).unsqueeze(0)
+        lo, hi = k_start.unsqueeze(1), k_end.unsqueeze(1)
+        s = s.masked_fill((j < lo) | (j >= hi), float("-inf"))
+        idx = topk_set(s, topk)
+        idx = torch.where(s.gather(1, idx) > float("-inf"), idx, 5).sort(dim=-1).values
+        return idx.masked_fill(idx == 5, -1), s
 
     q, k, w, ks, ke, _ = indexer_inputs(torch.Generator().manual_seed(6), False)
-    for fn, kk in ((per_token_keys, k.expand(q.shape[0], -1, -1)), (other_predicate, k)):
+    assert run(Fn(indexer_topk_naive), (q, k, w, ks, ke, 4), "B")[1].counts == {"B": 1}  # the control matches
+    for fn, kk in ((per_token_keys, k.expand(q.shape[0], -1, -1)), (other_range, k), (plain_topk, k),
+                   (small_sentinel, k)):
         _, mgr, before, after = run(Fn(fn), (q, kk, w, ks, ke), "B")
         assert mgr.counts == {"B": 0} and graph_text(before) == graph_text(after), fn.__name__
 
