@@ -19,6 +19,16 @@ miss says why: no entry (and, when the folder holds entries for other keys, the 
 one), or an entry that cannot be used (manifest unreadable, key fields differ from the manifest's, artifact bytes
 whose hash differs from the manifest's, torch refusing the bytes). A miss compiles as without a cache and rewrites
 the entry; nothing of an unusable entry is loaded.
+
+Also here, for ``compile.py``: ``cacheable_minidi_calls`` (lets AOTAutograd's cache keep graphs that call minidi's
+op wrappers; without it every start re-traces AOT, and its graphs missed Inductor's cache in a second process too)
+and ``FirstStep`` (the first call's split by phase, ``compile_s``, and the cache's check and save).
+
+On a GPU the FX graph cache entries carry their Triton kernels; minidi's own ops are Triton kernels behind custom
+ops, compiled by Triton's JIT at their first call into Triton's cache folder: the entry keeps the kernel folders the
+first step added there (``triton.tar``) and a warm start puts them back before compiling. On a CPU the
+entries carry the generated C++ source, not the compiled libraries: a fresh machine runs the C++ compiler again
+(lowering and code generation are still skipped).
 """
 
 from __future__ import annotations
@@ -26,19 +36,21 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import io
 import json
 import logging
 import os
 import platform
+import tarfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 log = logging.getLogger("minidi.compile")
 
-MANIFEST, ARTIFACTS = "manifest.json", "artifacts.bin"
+MANIFEST, ARTIFACTS, TRITON = "manifest.json", "artifacts.bin", "triton.tar"
 FORMAT = 1  # manifest layout version: a change makes every older entry a miss
 
 
@@ -54,7 +66,7 @@ def source_hash() -> str:
     return h.hexdigest()
 
 
-def _device_of(model: Any) -> torch.device:
+def device_of(model: Any) -> torch.device:
     for p in getattr(model, "parameters", lambda: iter(()))():
         return p.device
     return torch.device("cpu")
@@ -94,7 +106,7 @@ def key_fields(model: Any, *, passes: list[str], strict: bool, op_backend: str, 
         "dynamic": dynamic, "regional": regional, "fullgraph": fullgraph,
         "backend": backend if isinstance(backend, str) else f"{backend.__module__}.{backend.__qualname__}",
         "compile_kwargs": {k: repr(v) for k, v in sorted(compile_kwargs.items())},
-        "minidi_source": source_hash(), **version_fields(), **device_fields(_device_of(model)),
+        "minidi_source": source_hash(), **version_fields(), **device_fields(device_of(model)),
     })
 
 
@@ -120,8 +132,10 @@ class CompileCache:
     ``status``: "hit" (artifacts loaded), "miss" (``reason`` says why) or "off"; ``artifact_bytes`` the entry's size;
     ``load_s`` / ``save_s`` the seconds spent; ``manifest`` the loaded entry's manifest (its ``counts``)."""
 
-    def __init__(self, root: str | os.PathLike, fields: dict[str, Any]) -> None:
+    def __init__(self, root: str | os.PathLike, fields: dict[str, Any], device: torch.device | None = None) -> None:
         self.root = Path(root).expanduser()
+        self.device = device or torch.device("cpu")
+        self._triton_before = _listing(triton_dir(self.device))
         self.fields = fields
         self.key = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:32]
         self.path = self.root / self.key
@@ -164,13 +178,23 @@ class CompileCache:
         if hashlib.sha256(blob).hexdigest() != want_sha:
             return "miss", (f"corrupted entry: {ARTIFACTS} ({len(blob)} bytes) does not match the sha256 its manifest "
                             "recorded")
+        kernels = b""
+        if manifest.get("triton_sha256"):
+            try:
+                kernels = (self.path / TRITON).read_bytes()
+            except OSError as e:
+                return "miss", f"stale entry: {TRITON} unreadable ({type(e).__name__})"
+            if hashlib.sha256(kernels).hexdigest() != manifest["triton_sha256"]:
+                return "miss", f"corrupted entry: {TRITON} does not match the sha256 its manifest recorded"
         try:
             info = torch.compiler.load_cache_artifacts(blob)
         except Exception as e:  # a format torch no longer reads: rebuilt, never half-used
             return "miss", f"stale entry: torch refused the artifacts ({type(e).__name__}: {e})"
         if info is None:
             return "miss", "stale entry: torch read no artifacts from it"
-        self.manifest, self.artifact_bytes = manifest, len(blob)
+        if kernels:
+            _unpack_kernels(kernels, triton_dir(self.device))
+        self.manifest, self.artifact_bytes = manifest, len(blob) + len(kernels)
         return "hit", ""
 
     def _nearest_note(self) -> str:
@@ -210,19 +234,28 @@ class CompileCache:
                         "or the backend %r writes none); nothing written", self.fields.get("backend"))
             return
         blob, info = saved
+        kernels, n_kernels = _pack_kernels(triton_dir(self.device), self._triton_before)
         kinds = {k: len(v) for k, v in getattr(info, "artifacts", {}).items()}
         manifest = {"fields": self.fields, "key": self.key, "artifacts_sha256": hashlib.sha256(blob).hexdigest(),
                     "artifact_bytes": len(blob), "artifacts": kinds, "counts": counts,
+                    "triton_sha256": hashlib.sha256(kernels).hexdigest() if kernels else None,
+                    "triton_bytes": len(kernels), "triton_kernels": n_kernels,
                     "compile_s": round(compile_s, 1), "written": time.strftime("%Y-%m-%d %H:%M:%S")}
         self.path.mkdir(parents=True, exist_ok=True)
         tmp = f".tmp{os.getpid()}"
         (self.path / (ARTIFACTS + tmp)).write_bytes(blob)
+        if kernels:
+            (self.path / (TRITON + tmp)).write_bytes(kernels)
         (self.path / (MANIFEST + tmp)).write_text(json.dumps(manifest, indent=1, sort_keys=True))
         # the artifacts first, then the manifest that vouches for them: a reader never sees a manifest whose
         # artifacts are still being written (a torn pair fails the sha256 check and is rebuilt)
         os.replace(self.path / (ARTIFACTS + tmp), self.path / ARTIFACTS)
+        if kernels:
+            os.replace(self.path / (TRITON + tmp), self.path / TRITON)
         os.replace(self.path / (MANIFEST + tmp), self.path / MANIFEST)
-        self.artifact_bytes, self.saved = len(blob), True
+        self.artifact_bytes, self.saved = len(blob) + len(kernels), True
+        if n_kernels:
+            kinds["minidi triton kernel dirs"] = n_kernels
         self.save_s = time.perf_counter() - t0
         log.info("minidi.compile: compile cache saved: %s (%.1f MB, %s; %.1f s)", self.path, len(blob) / 1e6,
                  ", ".join(f"{v} {k}" for k, v in kinds.items()) or "no artifacts listed", self.save_s)
@@ -232,6 +265,69 @@ class CompileCache:
         return {"status": self.status, "reason": self.reason or None, "path": str(self.path),
                 "artifact_bytes": self.artifact_bytes, "load_s": round(self.load_s, 2),
                 "save_s": round(self.save_s, 2), "saved": self.saved}
+
+
+# ---- minidi's own Triton kernels ---------------------------------------------------------------------------------
+def triton_dir(device: torch.device) -> Path | None:
+    """Where Triton caches the kernels minidi's ops compile (their JIT, not Inductor's artifacts): TRITON_CACHE_DIR,
+    which Inductor sets on a GPU to its own folder's ``triton/<device>`` when it first loads a kernel (the same torch
+    function decides it here, before that happens), else None: the CPU's interpreter compiles nothing."""
+    if env := os.environ.get("TRITON_CACHE_DIR"):
+        return Path(env)
+    if device.type != "cuda":
+        return None
+    try:
+        from torch._inductor.runtime.cache_dir_utils import triton_cache_dir
+    except ImportError:  # pragma: no cover
+        return None
+    return Path(triton_cache_dir(device.index if device.index is not None else torch.cuda.current_device()))
+
+
+def _listing(folder: Path | None) -> set[str]:
+    try:
+        return set(os.listdir(folder)) if folder is not None else set()
+    except OSError:
+        return set()
+
+
+def _pack_kernels(folder: Path | None, before: set[str]) -> tuple[bytes, int]:
+    """The Triton cache entries written since ``before`` (one folder per compiled kernel) as an uncompressed tar;
+    best effort: a failure costs the next start these kernels' JIT compiles, never the entry."""
+    new = sorted(_listing(folder) - before)
+    if folder is None or not new:
+        return b"", 0
+    buf = io.BytesIO()
+    try:
+        with tarfile.open(fileobj=buf, mode="w") as tar:
+            for name in new:
+                for f in sorted((folder / name).iterdir()):
+                    if f.is_file() and not f.name.startswith(("lock", "tmp")):
+                        tar.add(f, arcname=f"{name}/{f.name}", recursive=False)
+    except OSError as e:
+        log.warning("minidi.compile: compile cache: Triton kernels not saved (%s: %s)", type(e).__name__, e)
+        return b"", 0
+    return buf.getvalue(), len(new)
+
+
+def _unpack_kernels(data: bytes, folder: Path | None) -> None:
+    """Put the saved kernels into this process's Triton cache folder (files it already has are kept)."""
+    if folder is None:
+        log.warning("minidi.compile: compile cache: no Triton cache folder here; the saved kernels stay unused")
+        return
+    with tarfile.open(fileobj=io.BytesIO(data), mode="r") as tar:
+        for m in tar.getmembers():
+            parts = Path(m.name).parts
+            if not m.isfile() or m.name.startswith("/") or ".." in parts or len(parts) != 2:
+                continue  # only <kernel>/<file>, never a path outside the folder
+            dest = folder / m.name
+            if dest.exists():
+                continue
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            src = tar.extractfile(m)
+            if src is not None:
+                tmp = dest.with_name(f"{dest.name}.tmp{os.getpid()}")
+                tmp.write_bytes(src.read())
+                os.replace(tmp, dest)
 
 
 def clear_recorded_artifacts() -> None:
@@ -245,4 +341,75 @@ def clear_recorded_artifacts() -> None:
         CacheArtifactManager.clear()
 
 
-__all__ = ["CompileCache", "key_fields", "source_hash", "differing", "clear_recorded_artifacts"]
+# ---- what minidi.compile uses ---------------------------------------------------------------------------------
+def cacheable_minidi_calls(gm: Any) -> Any:
+    """The passes insert calls of minidi's op wrappers (``minidi.ops.*``: Python functions that pick the kernel or
+    its reference) into Dynamo's graph. AOTAutograd's cache refuses graphs that call Python functions it does not
+    know (it bypasses itself: every warm start would trace AOT again), unless they are listed in Inductor's
+    ``unsafe_marked_cacheable_functions`` with a string that keys their behaviour: here the hash of minidi's
+    sources, so that any change to the wrappers or kernels is a new cache key. Patched around the inner backend's
+    call (absent in old torch: no-op)."""
+    import contextlib
+
+    import torch._inductor.config as inductor_config
+
+    names = {f"{t.__module__}.{t.__name__}" for t in (nd.target for nd in gm.graph.nodes if nd.op == "call_function")
+             if str(getattr(t, "__module__", "")).startswith("minidi.") and hasattr(t, "__name__")}
+    if not names or not hasattr(inductor_config, "unsafe_marked_cacheable_functions"):
+        return contextlib.nullcontext()
+    marked = dict(inductor_config.unsafe_marked_cacheable_functions)
+    marked.update({name: f"minidi-{source_hash()}" for name in sorted(names)})  # sorted: the config's hash
+    # (a key of Inductor's caches) must not depend on the process's string-hash seed
+    return inductor_config.patch(unsafe_marked_cacheable_functions=marked)
+
+
+def _torch_compile_seconds() -> dict[str, float]:
+    """Seconds torch's ``dynamo_timed`` phases took so far in this process, per phase (nested phases overlap)."""
+    from torch._dynamo import utils
+
+    return {k: sum(v) for k, v in getattr(utils, "compilation_time_metrics", {}).items()}
+
+
+class FirstStep:
+    """What the first call of a compiled step (``compile.py``) measures and does: the split of its seconds
+    (``compile_s``) and the compile cache's check and save (``cache``: a ``CompileCache`` or None)."""
+
+    # torch's own phases worth reporting (dynamo_timed names; absent ones are skipped)
+    PHASES = {"dynamo": "_compile.compile_inner", "aot": "create_aot_dispatcher_function",
+              "inductor_lowering": "GraphLowering.run", "inductor_codegen": "GraphLowering.compile_to_module",
+              "kernel_compile_wait": "async_compile.wait"}
+
+    def __init__(self, backend: Any, cache: CompileCache | None) -> None:
+        self.times, self.cache = backend.times, cache  # type: ignore[attr-defined]
+        self.t0, self.torch0, self.mine0 = 0.0, {}, {}
+
+    def start(self) -> None:
+        self.t0, self.torch0, self.mine0 = time.perf_counter(), _torch_compile_seconds(), dict(self.times)
+
+    def finish(self, counts: Callable[[], dict[str, int] | None]) -> dict[str, float]:
+        total = time.perf_counter() - self.t0
+        now = _torch_compile_seconds()
+        delta = {k: now[k] - self.torch0.get(k, 0.0) for k in now}
+        mine = {k: self.times[k] - self.mine0.get(k, 0.0) for k in self.times}
+        out = {"first_step": total, "passes": mine["passes"], "backend": mine["backend"]}
+        for name, key in self.PHASES.items():
+            if key in delta:
+                out[name] = delta[key]
+        if "dynamo" in out:  # Dynamo's time includes the backend's: what is left is tracing (and guards)
+            out["dynamo_trace"] = max(out["dynamo"] - mine["passes"] - mine["backend"], 0.0)
+            out["run_and_eager"] = max(total - out["dynamo"], 0.0)
+        if self.cache is not None:
+            out["cache_load"] = self.cache.load_s
+            try:
+                c = counts()
+            except RuntimeError:  # a layer ran no graph (an error elsewhere): nothing to check or save
+                c = None
+            if c is not None:
+                self.cache.check_counts(c)
+                self.cache.save(c, total)
+            out["cache_save"] = self.cache.save_s
+        return {k: round(v, 2) for k, v in out.items()}
+
+
+__all__ = ["CompileCache", "FirstStep", "cacheable_minidi_calls", "clear_recorded_artifacts", "differing",
+           "key_fields", "source_hash"]
