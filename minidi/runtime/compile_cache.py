@@ -347,18 +347,22 @@ def cacheable_minidi_calls(gm: Any) -> Any:
     its reference) into Dynamo's graph. AOTAutograd's cache refuses graphs that call Python functions it does not
     know (it bypasses itself: every warm start would trace AOT again), unless they are listed in Inductor's
     ``unsafe_marked_cacheable_functions`` with a string that keys their behaviour: here the hash of minidi's
-    sources, so that any change to the wrappers or kernels is a new cache key. Patched around the inner backend's
-    call (absent in old torch: no-op)."""
+    sources (any change to the wrappers or kernels is a new cache key) and whether the Triton interpreter runs (a
+    wrapper picks the kernel or its reference while AOT traces it, from that and the tensors' device, which the
+    graph's inputs already key). Patched around the inner backend's call (absent in old torch: no-op)."""
     import contextlib
 
     import torch._inductor.config as inductor_config
+
+    from minidi.ops._triton_utils import interpreting
 
     names = {f"{t.__module__}.{t.__name__}" for t in (nd.target for nd in gm.graph.nodes if nd.op == "call_function")
              if str(getattr(t, "__module__", "")).startswith("minidi.") and hasattr(t, "__name__")}
     if not names or not hasattr(inductor_config, "unsafe_marked_cacheable_functions"):
         return contextlib.nullcontext()
     marked = dict(inductor_config.unsafe_marked_cacheable_functions)
-    marked.update({name: f"minidi-{source_hash()}" for name in sorted(names)})  # sorted: the config's hash
+    behaviour = f"minidi-{source_hash()}-interpreter={interpreting()}"
+    marked.update({name: behaviour for name in sorted(names)})  # sorted: the config's hash
     # (a key of Inductor's caches) must not depend on the process's string-hash seed
     return inductor_config.patch(unsafe_marked_cacheable_functions=marked)
 
