@@ -193,7 +193,11 @@ class CompileCache:
         if info is None:
             return "miss", "stale entry: torch read no artifacts from it"
         if kernels:
-            _unpack_kernels(kernels, triton_dir(self.device))
+            try:
+                _unpack_kernels(kernels, triton_dir(self.device))
+            except (OSError, tarfile.TarError) as e:  # costs these kernels' JIT compiles, not the hit
+                log.warning("minidi.compile: compile cache: saved Triton kernels not restored (%s: %s)",
+                            type(e).__name__, e)
         self.manifest, self.artifact_bytes = manifest, len(blob) + len(kernels)
         return "hit", ""
 
