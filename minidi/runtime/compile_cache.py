@@ -414,7 +414,11 @@ class FirstStep:
                 c = None
             if c is not None:
                 self.cache.check_counts(c)
-                self.cache.save(c, total)
+                try:
+                    self.cache.save(c, total)
+                except OSError as e:  # a full or read-only disk costs the next start its warm cache, not this step
+                    log.warning("minidi.compile: compile cache not saved to %s (%s: %s)", self.cache.path,
+                                type(e).__name__, e)
             out["cache_save"] = self.cache.save_s
         return {k: round(v, 2) for k, v in out.items()}
 
