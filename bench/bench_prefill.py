@@ -12,6 +12,10 @@ categories. Modes: ``eager`` (no compile), ``compile`` (stock ``torch.compile``,
 (``torch.compile`` with ``--passes``). Layers are compiled one by one by default (``--compile_scope layer``: layers of
 one kind share a graph; ``model`` compiles the whole step as one graph).
 
+``--compile_cache DIR`` saves the compiled artifacts after a cold first step and loads them in a later run
+(``minidi/runtime/compile_cache.py``); the JSON line records ``cache`` (hit | miss), the entry's size and the first
+step's split by phase (``compile_s``).
+
 Prints a card, a result table per mode and the stage table; the last line is one JSON object per mode (appended to
 ``--result_jsonl``); a Chrome trace (``.trace.json.gz``) and a PNG of the stage table go to ``--out_dir``.
 """
@@ -60,6 +64,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="passes of the 'passes' mode: all | A,B,... (docs/passes.md)")
     ap.add_argument("--compile_scope", choices=("layer", "model"), default="layer")
     ap.add_argument("--backend", default="inductor", help="inner torch.compile backend")
+    ap.add_argument("--compile_cache", default=None, metavar="DIR",
+                    help="compiled artifacts for warm starts (minidi.compile's compile_cache): loaded when an entry "
+                         "for this model, settings, software and device exists, else written after the first step")
     ap.add_argument("--faithful_rounding", choices=("on", "off"), default="on",
                     help="compiled modes round where eager does (Inductor emulate_precision_casts)")
     ap.add_argument("--emulate-ep", "--emulate_ep", dest="emulate_ep", type=int, default=1,
@@ -155,7 +162,7 @@ def make_step(model, mode: str, args):
     passes = args.passes if mode == "passes" else "none"
     return minidi.compile(model, passes, strict=mode == "passes", backend=args.backend, fullgraph=True,
                           dynamic=True, regional=args.compile_scope == "layer",
-                          faithful_rounding=args.faithful_rounding == "on")
+                          faithful_rounding=args.faithful_rounding == "on", compile_cache=args.compile_cache)
 
 
 def pass_matches(step) -> dict | None:
@@ -163,6 +170,15 @@ def pass_matches(step) -> dict | None:
     if manager is None or not manager.keys:
         return None
     return step.counts if hasattr(step, "counts") else dict(manager.counts)
+
+
+def compile_record(step) -> dict:
+    """The first step's split (``compile_s``: first_step, dynamo_trace, passes, backend = AOT + Inductor, aot,
+    inductor_lowering / codegen, kernel_compile_wait, run_and_eager, cache_load / save; nested phases overlap) and
+    the compile cache's record (``cache``: hit | miss | None; ``compile_cache``: reason, entry, artifact bytes)."""
+    cc = getattr(step, "compile_cache", None)
+    return {"compile_s": getattr(step, "compile_s", None) or None, "cache": cc.status if cc else None,
+            "compile_cache": cc.summary() if cc else None}
 
 
 def run_mode(mode: str, wl, args, card: dict, out_dir: Path) -> dict:
@@ -203,7 +219,8 @@ def run_mode(mode: str, wl, args, card: dict, out_dir: Path) -> dict:
         "mfu": round(mfu(flops, ms, card["peaks"]["bf16_tflops"]), 4), "tflop_per_step": round(flops / 1e12, 3),
         "stages_ms": {k: round(v, 3) for k, v in stage_table.items()}, "gpu_busy_ms": busy and round(busy, 3),
         "profile_steps": args.profile_steps, "profiled_step_sums_ms": [round(v, 3) for v in step_sums],
-        "pass_matches": pass_matches(step), "first_step_s": round(first.seconds, 1), "logits_finite":
+        "pass_matches": pass_matches(step), "first_step_s": round(first.seconds, 1),
+        **compile_record(step), "logits_finite":
         bool(torch.isfinite(logits).all()), "stage_markers": not args.no_stage_markers, "cuda_graph": False,
         "trace": trace.name if trace else None, "phases_s": {k: round(v, 1) for k, v in phase.seconds.items()},
     }
@@ -356,6 +373,7 @@ def _run(args: argparse.Namespace, world: int, rank: int, modes: list[str], out_
         common.say(f"[{mode}] {res['ms_per_step']:.2f} ms/step (median {res['ms_per_step_median']:.2f}) | "
                    f"{res['input_tok_per_s_per_gpu']:,.0f} input tok/s/GPU | MFU {100 * res['mfu']:.1f}% of the "
                    f"measured peak | {res['tflop_per_step']} TFLOP/step | first step {res['first_step_s']}s"
+                   + (f" (compile cache {res['cache']})" if res["cache"] else "")
                    + (f" | pass matches {res['pass_matches']}" if res["pass_matches"] else ""))
         if res["stages_ms"]:
             common.say(f"stages, median over {args.profile_steps} profiled steps (their sums: "

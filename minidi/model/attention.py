@@ -33,6 +33,9 @@ class Attention(nn.Module):
         super().__init__()
         self.cfg, self.layer_id = cfg, layer_id
         self.ratio = cfg.ratio(layer_id)
+        # forward branches on this, not on the ratio: a V4.1 layer that only reads its source's compressed KV never
+        # reads its own ratio, so layers of ratio 2 and 1 trace to one graph (Block.kind)
+        self.compressed = self.ratio > 0
         h, d = cfg.n_heads, cfg.head_dim
         self.attn_sink = weight_param(h, dtype=torch.float32)
         self.wq_a = FP8Linear(cfg.dim, cfg.q_lora_rank, cfg)
@@ -84,7 +87,7 @@ class Attention(nn.Module):
         window = _with_pool(cache.window, kv)  # [Rw + T, d]: cached ring rows, then this step's
 
         comp_kv, comp_idx = None, None
-        if self.ratio > 0:
+        if self.compressed:
             compressed = self._compressed_v41 if cfg.is_v41 else self._compressed_v4
             comp_kv, comp_idx = compressed(x, q_lat, cos, sin, meta, cache, shared)
         stages.enter("attn.core", q)

@@ -31,7 +31,7 @@ EAGER_BUDGET_BYTES = 1 << 30
 class LayerKind(NamedTuple):
     """A layer's roles (``Block.kind()``): layers of one kind trace to the same graph."""
 
-    ratio: int
+    ratio: int | str  # "shared": a V4.1 layer that reads its source's compressed KV, whatever the ratio
     kv_source: Any
     index_source: Any
     owns_index_keys: bool
@@ -67,9 +67,15 @@ class Block(nn.Module):
         """What makes two layers trace to the same graph: their roles (attention ratio, kv / index source, index-key
         owner, candidate filter / source, V4 indexer, Engram, hash routing); ``forward`` reads nothing else that
         differs between layers (it never reads ``layer_id``: see ``LayerCache``). A per-layer compile reuses one
-        graph for every layer of a kind."""
-        a = self.attn
-        return LayerKind(a.ratio, a.kv_source, a.index_source, a.owns_index_keys, a.candidate_filtered,
+        graph for every layer of a kind. A V4.1 compressed layer that is no KV source never reads its own ratio:
+        it attends the source's compressed KV (ratio "shared"), and, re-indexing, reads the metadata of the source's
+        ratio (the source's ratio is its kind's)."""
+        a, cfg = self.attn, self.cfg
+        ratio: int | str = a.ratio
+        if cfg.is_v41 and a.compressed and not a.kv_source:
+            source = max(j for j in range(self.layer_id + 1) if cfg.is_kv_source(j))
+            ratio = cfg.ratio(source) if a.index_source else "shared"
+        return LayerKind(ratio, a.kv_source, a.index_source, a.owns_index_keys, a.candidate_filtered,
                          a.candidate_source, a.v4_indexer, self.has_engram, self.ffn.gate.hash)
 
     def _mix(self, site: str, x: torch.Tensor):

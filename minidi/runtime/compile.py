@@ -24,15 +24,23 @@ compiled step runs under:
   own order).
   ``False`` patches both off.
 - **Progress**: logger ``minidi.compile`` at INFO (and ``progress(line)`` if given): a start and an end line for the
-  step's compile, and, per layer kind compiled by ``regional=True``, its layers, seconds and Inductor cache hits.
+  step's compile, and, per layer kind compiled by ``regional=True``, its layers, seconds and the hits / misses of
+  Inductor's FX graph cache and AOTAutograd's cache. ``step.compile_s``: the first call's seconds by phase
+  (Dynamo tracing, the passes, the inner backend, torch's own AOT / lowering / codegen / kernel-compile phases).
+- **Caches**: the passes insert calls of minidi's op wrappers, which AOTAutograd's cache would refuse (it then
+  re-traces every graph on every start); they are marked cacheable, keyed by the hash of minidi's sources.
+  ``compile_cache=DIR`` saves / loads the compiled artifacts for warm starts in other processes or machines
+  (``compile_cache.py``).
 
-(Over 350 lines: the two step kinds share the backend, the settings context and the progress helpers.)
+(Over 350 lines: the two step kinds share the backend, the settings context and the progress helpers; the compile
+cache and the first step's bookkeeping live in ``compile_cache.py``.)
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 from collections import Counter
 from typing import Any, Callable, Iterable
@@ -43,6 +51,9 @@ from torch.fx import GraphModule
 from minidi.model.config import ModelConfig
 from minidi.passes import PassManager
 from minidi.runtime.exact_cpu import all_cpu, aten_kernels
+
+from .compile_cache import (CompileCache, FirstStep, device_of, cacheable_minidi_calls, clear_recorded_artifacts,
+                            key_fields)
 
 log = logging.getLogger("minidi.compile")
 
@@ -120,10 +131,13 @@ def _rounding_config(faithful: bool, cpu_graph: bool = False) -> contextlib.Exit
 
 
 def _inductor_cache_counts() -> Counter:
+    """Hits / misses / bypasses of Inductor's FX graph cache ("fx ...") and AOTAutograd's cache ("aot ...")."""
     from torch._dynamo.utils import counters
 
-    c = counters["inductor"]
-    return Counter({k: c[f"fxgraph_cache_{k}"] for k in ("hit", "miss", "bypass")})
+    fx, aot = counters["inductor"], counters["aot_autograd"]
+    out = Counter({f"fx {k}": fx[f"fxgraph_cache_{k}"] for k in ("hit", "miss", "bypass")})
+    out.update({f"aot {k}": aot[f"autograd_cache_{k}"] for k in ("hit", "miss", "bypass")})
+    return out
 
 
 def make_backend(manager: PassManager, inner: str | Callable = "inductor", *, faithful_rounding: bool = True
@@ -133,13 +147,17 @@ def make_backend(manager: PassManager, inner: str | Callable = "inductor", *, fa
     from torch._dynamo.backends.registry import lookup_backend
 
     inner_fn = lookup_backend(inner) if isinstance(inner, str) else inner
+    times = {"passes": 0.0, "backend": 0.0}
 
     def minidi_backend(gm: GraphModule, example_inputs: list) -> Callable:
         n, layer = len(manager.history), manager.current_layer
         before = manager.layer_counts.get(layer)
+        t0 = time.perf_counter()
         manager.run(gm)
+        t1 = time.perf_counter()
+        times["passes"] += t1 - t0
         try:
-            with _rounding_config(faithful_rounding, all_cpu(example_inputs)):
+            with _rounding_config(faithful_rounding, all_cpu(example_inputs)), cacheable_minidi_calls(gm):
                 return inner_fn(gm, example_inputs)
         except BaseException:  # e.g. a restart of the trace: this graph is discarded, so forget its counts
             del manager.history[n:]
@@ -148,8 +166,11 @@ def make_backend(manager: PassManager, inner: str | Callable = "inductor", *, fa
                 if before is not None:
                     manager.layer_counts[layer] = before
             raise
+        finally:
+            times["backend"] += time.perf_counter() - t1
 
     minidi_backend.pass_manager = manager  # type: ignore[attr-defined]
+    minidi_backend.times = times  # type: ignore[attr-defined]  # seconds in the passes / the inner backend
     return minidi_backend
 
 
@@ -166,8 +187,12 @@ class _Progress:
 
 
 def _cache_note(delta: Counter) -> str:
-    parts = [f"{v} {k}" for k, v in delta.items() if v > 0]
-    return f", Inductor FX graph cache: {', '.join(parts)}" if parts else ""
+    notes = []
+    for prefix, name in (("fx", "Inductor FX graph cache"), ("aot", "AOTAutograd cache")):
+        parts = [f"{v} {k.split()[1]}" for k, v in delta.items() if v > 0 and k.startswith(prefix)]
+        if parts:
+            notes.append(f"{name}: {', '.join(parts)}")
+    return "".join(f", {n}" for n in notes)
 
 
 class CompiledStep:
@@ -175,18 +200,23 @@ class CompiledStep:
     counts; calls run under the step's Dynamo settings; ``uncompile()`` makes later calls run the eager step."""
 
     def __init__(self, fn: Callable, manager: PassManager, compiled: Callable, *, dynamic: bool | None,
-                 progress: _Progress, what: str) -> None:
+                 progress: _Progress, what: str, first: FirstStep) -> None:
         self.fn, self.pass_manager, self._compiled = fn, manager, compiled
         self.dynamic, self._progress, self._what = dynamic, progress, what
         self.calls = 0
+        self._first, self.compile_cache = first, first.cache
+        self.compile_s: dict[str, float] = {}  # the first call's seconds by phase (FirstStep.finish)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         graphs, cache0, t0 = len(self.pass_manager.history), _inductor_cache_counts(), time.perf_counter()
         if self.calls == 0:
             self._progress(f"minidi.compile: compiling {self._what} as one graph ...")
+            self._first.start()
         self.calls += 1
         with _call_settings(self.dynamic, None):
             out = self._compiled(*args, **kwargs)
+        if self.calls == 1:
+            self.compile_s = self._first.finish(lambda: dict(self.pass_manager.counts))
         new = len(self.pass_manager.history) - graphs
         if new or self.calls == 1:
             verb = "compiled" if self.calls == 1 else "recompiled"
@@ -226,7 +256,7 @@ class RegionalStep:
     eager model (its blocks' calls and its layer hook)."""
 
     def __init__(self, model: torch.nn.Module, manager: PassManager, backend: Callable, *, dynamic: bool | None,
-                 progress: _Progress, **compile_kwargs: Any) -> None:
+                 progress: _Progress, first: FirstStep, **compile_kwargs: Any) -> None:
         if getattr(model, "layer_hook", None) is not None:
             raise RuntimeError("the model already has a layer_hook (compiled regionally already? uncompile() first)")
         self.model, self.pass_manager = model, manager
@@ -234,6 +264,8 @@ class RegionalStep:
         self.dynamic, self._progress = dynamic, progress
         self.recompile_limit = 4 * len(model.layers)  # one code object (Block's call), one graph per layer kind
         self.calls = 0
+        self._first, self.compile_cache = first, first.cache
+        self.compile_s: dict[str, float] = {}  # the first call's seconds by phase (FirstStep.finish)
         self._open: tuple[int, int, float, Counter] | None = None  # (layer, graphs before, t0, cache counts)
         self._timed: set[Any] = set()
         for block in model.layers:
@@ -268,13 +300,19 @@ class RegionalStep:
         if first:
             self._progress(f"minidi.compile: compiling {len(self.kinds)} layers ({len(set(self.kinds))} kinds) "
                            "one by one ...")
+            self._first.start()
         self.calls += 1
+        ok = False
         try:
             with _call_settings(self.dynamic, self.recompile_limit):
-                return self.model.step(*args, **kwargs)
+                out = self.model.step(*args, **kwargs)
+            ok = True
+            return out
         finally:
             self._close_layer()
             self.pass_manager.current_layer = None
+            if first and ok:
+                self.compile_s = self._first.finish(lambda: self.counts if self.pass_manager.keys else {})
             if first:
                 self._progress(f"minidi.compile: compiled {len(self.pass_manager.history) - graphs} graph(s) for "
                                f"{len(set(self.kinds))} layer kinds in {time.perf_counter() - t0:.1f} s "
@@ -332,6 +370,7 @@ def compile(  # noqa: A001 (minidi.compile mirrors torch.compile)
     regional: bool = False,
     faithful_rounding: bool = True,
     progress: Callable[[str], None] | None = None,
+    compile_cache: str | os.PathLike | None = None,
     **compile_kwargs: Any,
 ) -> CompiledStep | RegionalStep:
     """Compile a model step (a minidi ``Transformer``: its ``step``; or any callable / module) with minidi's passes.
@@ -344,8 +383,11 @@ def compile(  # noqa: A001 (minidi.compile mirrors torch.compile)
     references), "triton" (the kernels, or a clear error where they cannot run) or "ref". ``regional``: compile each
     layer on its own (``RegionalStep``). ``faithful_rounding``: Inductor rounds fused intermediates where eager rounds
     (default; see the module docstring), ``False`` for its stock fused-fp32 rounding. ``progress``: called with each
-    progress line (they also go to the ``minidi.compile`` logger at INFO). The result has ``.pass_manager`` and
-    ``.uncompile()``.
+    progress line (they also go to the ``minidi.compile`` logger at INFO). ``compile_cache``: a folder of compiled
+    artifacts (``compile_cache.py``): loaded before compiling when an entry for this model, these settings and this
+    software and device exists, else written after the first step. The result has ``.pass_manager``,
+    ``.compile_cache`` (None, or its status: ``.status`` "hit" / "miss", ``.reason``, ``.artifact_bytes``),
+    ``.compile_s`` (the first call's seconds by phase) and ``.uncompile()``.
     """
     fn = model_or_step
     owner = model_or_step
@@ -361,12 +403,21 @@ def compile(  # noqa: A001 (minidi.compile mirrors torch.compile)
     manager = PassManager(passes, strict=strict, expected=expected, op_backend=op_backend, keep_graphs=keep_graphs)
     inner = make_backend(manager, backend, faithful_rounding=faithful_rounding)
     report = _Progress(progress)
+    if regional and (not hasattr(owner, "layers") or not hasattr(owner, "step")):
+        raise TypeError("regional compilation needs a minidi Transformer (with .layers and .step)")
+    cache = None
+    if compile_cache is not None:
+        fields = key_fields(owner, passes=manager.keys, strict=strict, op_backend=op_backend,
+                            faithful_rounding=faithful_rounding, dynamic=dynamic, regional=regional,
+                            fullgraph=fullgraph, backend=backend, compile_kwargs=compile_kwargs)
+        cache = CompileCache(compile_cache, fields, device=device_of(owner))
+        clear_recorded_artifacts()  # the entry holds this compile's artifacts, not an earlier one's in this process
+        cache.load()
+    first = FirstStep(inner, cache)
     if regional:
-        if not hasattr(owner, "layers") or not hasattr(owner, "step"):
-            raise TypeError("regional compilation needs a minidi Transformer (with .layers and .step)")
-        return RegionalStep(owner, manager, inner, dynamic=dynamic, progress=report, fullgraph=fullgraph,
-                            **compile_kwargs)
+        return RegionalStep(owner, manager, inner, dynamic=dynamic, progress=report, first=first,
+                            fullgraph=fullgraph, **compile_kwargs)
     compiled = torch.compile(fn, backend=inner, fullgraph=fullgraph, dynamic=dynamic, **compile_kwargs)
     name = getattr(cfg, "name", None) or type(owner).__name__
     what = f"the {name} step" + (f" (passes {','.join(manager.keys)})" if manager.keys else "")
-    return CompiledStep(fn, manager, compiled, dynamic=dynamic, progress=report, what=what)
+    return CompiledStep(fn, manager, compiled, dynamic=dynamic, progress=report, what=what, first=first)

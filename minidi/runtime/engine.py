@@ -112,9 +112,13 @@ class Engine:
         compile_kwargs: dict | None = None,
         passes: str | list[str] | None = "none",
         faithful_rounding: bool = True,
+        compile_cache: str | None = None,
         debug: bool = False,
     ) -> None:
-        """``debug``: check the cache pool's invariants (no duplicate free ids, refcounts match) after every change."""
+        """``debug``: check the cache pool's invariants (no duplicate free ids, refcounts match) after every change.
+        ``compile_cache``: a folder of compiled artifacts for warm starts (``minidi.compile``'s option, with
+        ``compile=True``: loaded when an entry for this model and these settings exists, else written after the
+        first step; ``runtime/compile_cache.py``)."""
         self.model, self.cfg = model, model.cfg
         self.tokenizer = getattr(model, "tokenizer", None)  # runtime.tokenizer.TextTokenizer (load_model sets it)
         self.device = model.embed.weight.device
@@ -131,7 +135,7 @@ class Engine:
         if compile:  # minidi.compile: torch.compile(fullgraph, dynamic) with the passes (minidi/passes) installed;
             # faithful_rounding: compiled graphs round where eager does (runtime/compile.py), so tokens match eager
             kwargs = {"fullgraph": True, "dynamic": True, "faithful_rounding": faithful_rounding,
-                      **(compile_kwargs or {})}
+                      "compile_cache": compile_cache, **(compile_kwargs or {})}
             self.step_fn = minidi_compile(model, passes, **kwargs)
             self.pass_manager = self.step_fn.pass_manager
         self.compiled = compile

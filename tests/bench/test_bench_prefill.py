@@ -127,12 +127,16 @@ def test_workload_too_long_for_the_model():
 
 
 def test_stock_compile_mode(tmp_path):
-    """--modes compile: stock torch.compile (per layer, aot_eager here), no passes, hence no match counts."""
+    """--modes compile: stock torch.compile (per layer, aot_eager here), no passes, hence no match counts; with
+    --compile_cache the line records the cache's status (a miss: an empty folder) and the first step's split."""
     # specialize_float: no symbolic float scalars, so aot_autograd's tensorify pass does not make Dynamo re-trace
     # layers (halves the compile time here); fp32: fewer graph nodes than bf16 with its fp32 islands
     with torch._dynamo.config.patch(specialize_float=True):
-        _, lines = run(tmp_path, "--modes", "compile", "--backend", "aot_eager", "--dtype", "float32")
+        _, lines = run(tmp_path, "--modes", "compile", "--backend", "aot_eager", "--dtype", "float32",
+                       "--compile_cache", str(tmp_path / "cc"))
     res = lines[0]
+    assert res["cache"] == "miss" and res["compile_cache"]["reason"] == "no entry for this key"
+    assert res["compile_s"]["first_step"] > 0 and {"dynamo_trace", "passes", "backend"} <= set(res["compile_s"])
     assert (res["mode"], res["passes"], res["compile_scope"]) == ("compile", "none", "layer")
     assert res["faithful_rounding"] is True  # the default, recorded with the result
     assert res["pass_matches"] is None
@@ -218,7 +222,7 @@ def test_eager_mode_sets_the_memory_budget_and_compiled_modes_clear_it():
     assert {b.ffn.experts.eager_budget for b in model.layers} == {b.attn.eager_budget for b in model.layers} == {
         EAGER_BUDGET_BYTES}
     make_step(model, "compile", argparse.Namespace(passes="all", backend="aot_eager", compile_scope="layer",
-                                                  faithful_rounding="on"))
+                                                  faithful_rounding="on", compile_cache=None))
     assert {b.ffn.experts.eager_budget for b in model.layers} == {b.attn.eager_budget for b in model.layers} == {None}
     torch._dynamo.reset()
     minidi.uncompile(model)

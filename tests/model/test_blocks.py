@@ -308,9 +308,15 @@ def test_block_kind_names_the_roles_that_shape_the_graph(name):
     import minidi
 
     m = minidi.load_model(name)
+    cfg = m.cfg
     for b in m.layers:
         a = b.attn
-        assert b.kind() == (a.ratio, a.kv_source, a.index_source, a.owns_index_keys, a.candidate_filtered,
+        ratio = a.ratio
+        if cfg.is_v41 and a.ratio and not a.kv_source:  # reads the source's compressed KV, not its own ratio
+            ratio = cfg.ratio(max(j for j in cfg.kv_source_layers if j <= b.layer_id)) if a.index_source else "shared"
+        assert b.kind() == (ratio, a.kv_source, a.index_source, a.owns_index_keys, a.candidate_filtered,
                             a.candidate_source, a.v4_indexer, b.has_engram, b.ffn.gate.hash)
     kinds = [b.kind() for b in m.layers]
     assert 1 < len(set(kinds)) < len(kinds)  # some layers share a graph, not all
+    if name == "tiny-v41":  # ratio-2 layers 3, 5 and ratio-1 layers 7, 9 only read shared KV: one kind
+        assert len({kinds[i] for i in (3, 5, 7, 9)}) == 1 and len(set(kinds)) == 7
