@@ -50,6 +50,9 @@ else:  # run as a script (python / torchrun bench/bench_prefill.py): the script'
 MODES = ("eager", "compile", "passes")
 
 
+ROUNDING = {"on": True, "off": False, "exact": "exact"}  # --faithful_rounding -> minidi.compile(faithful_rounding=)
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="tiny-v41", help="checkpoint directory or preset (tiny-v41, v41-flash, ...)")
@@ -67,8 +70,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--compile_cache", default=None, metavar="DIR",
                     help="compiled artifacts for warm starts (minidi.compile's compile_cache): loaded when an entry "
                          "for this model, settings, software and device exists, else written after the first step")
-    ap.add_argument("--faithful_rounding", choices=("on", "off"), default="on",
-                    help="compiled modes round where eager does (Inductor emulate_precision_casts)")
+    ap.add_argument("--faithful_rounding", choices=("on", "off", "exact"), default="on",
+                    help="on: compiled modes round where eager does (Inductor emulate_precision_casts; CPU graphs also "
+                         "run ATen's reduction / transcendental kernels: bitwise eager); exact: those kernels on GPU "
+                         "graphs too; off: Inductor's stock rounding")
     ap.add_argument("--emulate-ep", "--emulate_ep", dest="emulate_ep", type=int, default=1,
                     help="reproduce one rank of expert parallelism N on this device")
     ap.add_argument("--share_experts", "--share-experts", choices=("auto", "on", "off"), default="auto",
@@ -162,7 +167,7 @@ def make_step(model, mode: str, args):
     passes = args.passes if mode == "passes" else "none"
     return minidi.compile(model, passes, strict=mode == "passes", backend=args.backend, fullgraph=True,
                           dynamic=True, regional=args.compile_scope == "layer",
-                          faithful_rounding=args.faithful_rounding == "on", compile_cache=args.compile_cache)
+                          faithful_rounding=ROUNDING[args.faithful_rounding], compile_cache=args.compile_cache)
 
 
 def pass_matches(step) -> dict | None:
@@ -250,7 +255,7 @@ def _what_ran(mode: str, wl, args, card: dict) -> dict:
     return {
         "model": cfg.name, "arch": cfg.arch, "mode": mode, "passes": args.passes if mode == "passes" else "none",
         "ep": cfg.ep_size, "new_tokens": wl.new_tokens, "cached_tokens": wl.cached_tokens, "seqs": wl.seqs,
-        "steps": args.steps, "faithful_rounding": None if mode == "eager" else args.faithful_rounding == "on",
+        "steps": args.steps, "faithful_rounding": None if mode == "eager" else ROUNDING[args.faithful_rounding],
         **{k: card[k] for k in ("device", "dtype", "torch", "peaks", "shared_experts", "engram_table_rows", "gate_bias",
                                   "ptxas", "fp4_tiles")},
     }

@@ -27,6 +27,7 @@ if __package__ in (None, ""):  # run as a script: make the repo importable (benc
 
 import minidi  # noqa: E402
 from bench import common, fidelity, prefill_workload  # noqa: E402
+from bench.bench_prefill import ROUNDING  # noqa: E402
 from minidi.passes import PassManager  # noqa: E402
 from minidi.runtime.compile import dynamic_shape_config, make_backend  # noqa: E402
 
@@ -42,7 +43,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--passes", default="all", help="the passes of mode 'passes'")
     ap.add_argument("--backend", default="inductor", help="inner torch.compile backend (aot_eager: the passes' ops "
                     "alone differ from eager)")
-    ap.add_argument("--faithful_rounding", choices=("on", "off"), default="on")
+    ap.add_argument("--faithful_rounding", choices=tuple(ROUNDING), default="on",
+                    help="exact: ATen's reduction / transcendental kernels in GPU graphs too")
     ap.add_argument("--fp32_reference", choices=("on", "off"), default="on")
     ap.add_argument("--emulate-ep", "--emulate_ep", dest="emulate_ep", type=int, default=1)
     ap.add_argument("--share_experts", choices=("auto", "on", "off"), default="auto")
@@ -72,7 +74,7 @@ def gate_router(passes: str, args: argparse.Namespace):
     """A compiled router (the same passes as the mode's): gate module, x, ids -> expert ids. One compiled graph for
     every layer's gate (the gate's code is shared; Dynamo guards each module, so the limit allows one per layer)."""
     manager = PassManager(passes, op_backend="auto")
-    backend = make_backend(manager, args.backend, faithful_rounding=args.faithful_rounding == "on")
+    backend = make_backend(manager, args.backend, faithful_rounding=ROUNDING[args.faithful_rounding])
 
     def route(gate, x, ids):
         return gate(x, ids)[0]
@@ -114,7 +116,7 @@ def run(args: argparse.Namespace, partial: str | None = None) -> dict:
     result: dict = {"bench": "numerics", "model": model.cfg.name, "device": common.device_name(args.device),
                     "torch": torch.__version__, "dtype": model.cfg.dtype, "fake_quant": model.cfg.fake_quant,
                     "ep": model.cfg.ep_size, "new_tokens": wl.new_tokens, "cached_tokens": wl.cached_tokens,
-                    "faithful_rounding": args.faithful_rounding == "on", "backend": args.backend,
+                    "faithful_rounding": ROUNDING[args.faithful_rounding], "backend": args.backend,
                     "notes": notes, "modes": {}}
     with torch.no_grad(), dynamic_shape_config():
         with phase("eager step"):
@@ -134,7 +136,7 @@ def run(args: argparse.Namespace, partial: str | None = None) -> dict:
             torch._dynamo.reset()
             minidi.uncompile(model)
             step = minidi.compile(model, passes, strict=mode == "passes", regional=True, dynamic=True,
-                                  backend=args.backend, faithful_rounding=args.faithful_rounding == "on")
+                                  backend=args.backend, faithful_rounding=ROUNDING[args.faithful_rounding])
             with phase(f"[{mode}] compiled step (compiles)"):
                 logits_c = step_from_snapshot(step).float()
             compiled = [b._compiled_call_impl for b in model.layers]

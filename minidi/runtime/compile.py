@@ -21,8 +21,8 @@ compiled step runs under:
   lowers and generates code for the graph (its FX graph cache keys on the setting). On a CPU graph the reductions
   and transcendentals also run as ATen's kernels (``runtime/exact_cpu.py``: Inductor's own sum in another order),
   so a compiled CPU step equals the eager step bitwise (tiny V4.1 / V4, no passes; the passes' ops sum in their
-  own order).
-  ``False`` patches both off.
+  own order). ``"exact"`` does that on GPU graphs too (eager's sums and exp; norms and softmax then leave Inductor's
+  fused kernels); ``False`` patches both off.
 - **Progress**: logger ``minidi.compile`` at INFO (and ``progress(line)`` if given): a start and an end line for the
   step's compile, and, per layer kind compiled by ``regional=True``, its layers, seconds and the hits / misses of
   Inductor's FX graph cache and AOTAutograd's cache. ``step.compile_s``: the first call's seconds by phase
@@ -117,15 +117,15 @@ def _call_settings(dynamic: bool | None, recompile_limit: int | None) -> context
     return stack
 
 
-def _rounding_config(faithful: bool, cpu_graph: bool = False) -> contextlib.ExitStack:
+def _rounding_config(faithful: bool, aten_reductions: bool = False) -> contextlib.ExitStack:
     """Inductor's setting for rounding fused intermediates where eager rounds (absent in old torch: no-op), and for
-    a faithful CPU graph ATen's reduction and transcendental kernels (``exact_cpu``: the step is eager's, bitwise)."""
+    ATen's reduction and transcendental kernels (``exact_cpu``: a faithful CPU graph is then eager's, bitwise)."""
     import torch._inductor.config as inductor_config
 
     stack = contextlib.ExitStack()
     if hasattr(inductor_config, "emulate_precision_casts"):  # absent before torch 2.6
         stack.enter_context(inductor_config.patch(emulate_precision_casts=faithful))
-    if faithful and cpu_graph:
+    if faithful and aten_reductions:
         stack.enter_context(aten_kernels())
     return stack
 
@@ -140,8 +140,8 @@ def _inductor_cache_counts() -> Counter:
     return out
 
 
-def make_backend(manager: PassManager, inner: str | Callable = "inductor", *, faithful_rounding: bool = True
-                 ) -> Callable:
+def make_backend(manager: PassManager, inner: str | Callable = "inductor", *,
+                 faithful_rounding: bool | str = True) -> Callable:
     """A ``torch.compile`` backend: run the passes on Dynamo's GraphModule, then the inner backend on the result,
     with Inductor's ``emulate_precision_casts`` set to ``faithful_rounding`` while the inner backend compiles."""
     from torch._dynamo.backends.registry import lookup_backend
@@ -157,7 +157,8 @@ def make_backend(manager: PassManager, inner: str | Callable = "inductor", *, fa
         t1 = time.perf_counter()
         times["passes"] += t1 - t0
         try:
-            with _rounding_config(faithful_rounding, all_cpu(example_inputs)), cacheable_minidi_calls(gm):
+            aten = faithful_rounding == "exact" or (faithful_rounding is True and all_cpu(example_inputs))
+            with _rounding_config(bool(faithful_rounding), aten), cacheable_minidi_calls(gm):
                 return inner_fn(gm, example_inputs)
         except BaseException:  # e.g. a restart of the trace: this graph is discarded, so forget its counts
             del manager.history[n:]
@@ -368,7 +369,7 @@ def compile(  # noqa: A001 (minidi.compile mirrors torch.compile)
     fullgraph: bool = True,
     dynamic: bool | None = True,
     regional: bool = False,
-    faithful_rounding: bool = True,
+    faithful_rounding: bool | str = True,
     progress: Callable[[str], None] | None = None,
     compile_cache: str | os.PathLike | None = None,
     **compile_kwargs: Any,
@@ -382,7 +383,9 @@ def compile(  # noqa: A001 (minidi.compile mirrors torch.compile)
     insert: "auto" (the Triton kernels on CUDA, or on the CPU under ``TRITON_INTERPRET=1``; else their plain-torch
     references), "triton" (the kernels, or a clear error where they cannot run) or "ref". ``regional``: compile each
     layer on its own (``RegionalStep``). ``faithful_rounding``: Inductor rounds fused intermediates where eager rounds
-    (default; see the module docstring), ``False`` for its stock fused-fp32 rounding. ``progress``: called with each
+    (default; see the module docstring; on CPU graphs with ATen's reduction / transcendental kernels, bitwise eager),
+    ``"exact"`` ATen's kernels on every graph (GPU too: eager's sums, unfused norms), ``False`` Inductor's stock
+    fused-fp32 rounding. ``progress``: called with each
     progress line (they also go to the ``minidi.compile`` logger at INFO). ``compile_cache``: a folder of compiled
     artifacts (``compile_cache.py``): loaded before compiling when an entry for this model, these settings and this
     software and device exists, else written after the first step. The result has ``.pass_manager``,

@@ -111,7 +111,7 @@ class Engine:
         compile: bool = False,
         compile_kwargs: dict | None = None,
         passes: str | list[str] | None = "none",
-        faithful_rounding: bool = True,
+        faithful_rounding: bool | str = True,
         compile_cache: str | None = None,
         debug: bool = False,
     ) -> None:

@@ -16,6 +16,7 @@ import torch._inductor.config as inductor_config
 import torch.fx.experimental._config as fx_config
 
 import minidi
+from minidi.runtime import exact_cpu
 from minidi.runtime.compile import CompiledStep, RegionalStep, layer_kind
 
 
@@ -50,7 +51,8 @@ def _settings() -> dict:
     c = torch._dynamo.config
     return dict(recompile_limit=c.recompile_limit, accumulated_recompile_limit=c.accumulated_recompile_limit,
                 specialize_float=c.specialize_float, backed_size_oblivious=fx_config.backed_size_oblivious,
-                use_duck_shape=fx_config.use_duck_shape, emulate=inductor_config.emulate_precision_casts)
+                use_duck_shape=fx_config.use_duck_shape, emulate=inductor_config.emulate_precision_casts,
+                aten_kernels=inductor_config.post_grad_custom_post_pass is exact_cpu.KEY_PASS)
 
 
 class Recorder:
@@ -102,15 +104,20 @@ def test_layer_kind_is_the_blocks_own():
     assert [layer_kind(b) for b in model.layers][:2] == [("toy", 1.0), ("toy", 2.0)]
 
 
-@pytest.mark.parametrize("faithful", [True, False])
-def test_faithful_rounding_set_while_the_inner_backend_compiles(faithful):
+@pytest.mark.parametrize("faithful", [True, False, "exact"])
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_faithful_rounding_set_while_the_inner_backend_compiles(faithful, device):
+    """Emulated casts for True and "exact"; ATen's kernels on a CPU graph for True, on any graph for "exact" (a meta
+    graph stands in for a GPU one: not all-CPU)."""
     torch._dynamo.reset()
     before = _settings()
     rec = Recorder()
     step = minidi.compile(lambda x: (x * 3.3).sigmoid() * 1.7, "none", backend=rec, faithful_rounding=faithful)
     assert isinstance(step, CompiledStep)
-    step(torch.randn(16))
-    assert [s["emulate"] for s in rec.seen] == [faithful]
+    step(torch.randn(16, device=device))
+    assert [s["emulate"] for s in rec.seen] == [bool(faithful)]
+    want_aten = faithful == "exact" or (faithful is True and device == "cpu")
+    assert [s["aten_kernels"] for s in rec.seen] == [want_aten]
     assert _settings() == before
 
 
