@@ -60,6 +60,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="new tokens per sequence per step (default 4096 full-size, 64 tiny)")
     ap.add_argument("--cached_tokens", type=int, default=None,
                     help="cached prefix per sequence (default 126976 full-size, 192 tiny; 0 = none)")
+    ap.add_argument("--pool_factor", type=int, default=1,
+                    help="cache pools N times the positions the step needs (a step's cost must not grow with them)")
     ap.add_argument("--seqs", type=int, default=1, help="sequences per step (each with its own cached prefix)")
     ap.add_argument("--modes", default=None, help="comma list of eager,compile,passes (default: all on CUDA, eager "
                     "on the CPU)")
@@ -255,6 +257,7 @@ def _what_ran(mode: str, wl, args, card: dict) -> dict:
     return {
         "model": cfg.name, "arch": cfg.arch, "mode": mode, "passes": args.passes if mode == "passes" else "none",
         "ep": cfg.ep_size, "new_tokens": wl.new_tokens, "cached_tokens": wl.cached_tokens, "seqs": wl.seqs,
+        "pool_factor": wl.pool_factor,
         "steps": args.steps, "faithful_rounding": None if mode == "eager" else ROUNDING[args.faithful_rounding],
         **{k: card[k] for k in ("device", "dtype", "torch", "peaks", "shared_experts", "engram_table_rows", "gate_bias",
                                   "ptxas", "fp4_tiles")},
@@ -337,7 +340,7 @@ def _run(args: argparse.Namespace, world: int, rank: int, modes: list[str], out_
         common.sync(args.device)
     with phase("build workload"):
         wl = prefill_workload.build_workload(model, args.prefill_batch_size, args.cached_tokens, args.seqs, args.seed,
-                                             notes)
+                                             notes, pool_factor=args.pool_factor)
         common.sync(args.device)
     with phase("measure peaks"):
         peaks = common.measure_peaks(args.device)

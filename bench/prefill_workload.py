@@ -41,6 +41,7 @@ class Workload:
     cached_tokens: int
     seqs: int
     notes: list[str]  # what differs from a real deployment, printed on the card
+    pool_factor: int = 1  # cache pools this many times the positions the step needs
 
 
 def is_synthetic(model: str) -> bool:
@@ -111,14 +112,19 @@ def random_prefix(cm: CacheManager, cached: int) -> SeqCache:
     return seq
 
 
-def build_workload(model: Transformer, new: int, cached: int, seqs: int, seed: int, notes: list[str]) -> Workload:
+def build_workload(model: Transformer, new: int, cached: int, seqs: int, seed: int, notes: list[str],
+                   pool_factor: int = 1) -> Workload:
+    """``pool_factor``: the cache pools hold that many times the positions the step's sequences need (the rest
+    unused): a step's cost must not grow with the pool (issue 23: within 3 % at 8x)."""
     cfg = model.cfg
+    if pool_factor < 1:
+        raise SystemExit(f"--pool_factor must be >= 1, got {pool_factor}")
     total = cached + new
     if total > cfg.max_position_embeddings:
         raise SystemExit(f"cached {cached} + new {new} tokens exceed max_position_embeddings "
                          f"{cfg.max_position_embeddings} of {cfg.name}")
     device = model.embed.weight.device
-    cm = CacheManager(cfg, max_slots=seqs, max_tokens=seqs * total, device=device)
+    cm = CacheManager(cfg, max_slots=seqs, max_tokens=seqs * total * pool_factor, device=device)
     fill_random(cm, seed)
     gen = torch.Generator().manual_seed(seed)
     items = []
@@ -131,4 +137,6 @@ def build_workload(model: Transformer, new: int, cached: int, seqs: int, seed: i
     if cached:
         notes.append(f"cache: {cached:,} cached positions per sequence filled with random rows (no prefill of the "
                      f"prefix); each timed step re-runs the same {new:,}-token step on it")
-    return Workload(model, cm, build_step(cm, items), new, cached, seqs, notes)
+    if pool_factor > 1:
+        notes.append(f"cache pools: {pool_factor}x the positions the step needs")
+    return Workload(model, cm, build_step(cm, items), new, cached, seqs, notes, pool_factor)

@@ -160,9 +160,20 @@ def _with_pool(pool: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
 
 def compressed_view(pool: torch.Tensor | None, new: torch.Tensor, rm: RatioMeta) -> torch.Tensor:
     """The step's view of compressed rows: rows of cat(pool, new) in each sequence's order ([Nv, w]; padding rows
-    are zero). Writes this step's rows into the pool (in place) for later steps."""
-    rows = _with_pool(pool, new)
-    if pool is not None:
-        pool.index_copy_(0, rm.pool_dst, rows[rm.pool_src])
-    view = rows[rm.view_idx.clamp(min=0)]
-    return torch.where((rm.view_idx >= 0).unsqueeze(-1), view, torch.zeros_like(view))
+    are zero). Writes this step's rows into the pool (in place) for later steps.
+
+    Read by index, never through a concatenation of the pool: the view gathers its cached rows from the pool and
+    its new rows from ``new`` (plus one zero row that padding and the other source's slots read), so a step reads
+    and writes what its sequences hold, not the whole pool (a pool 8x larger than the step needs costs nothing)."""
+    if pool is None:
+        view = new[rm.view_idx.clamp(min=0)]
+        return torch.where((rm.view_idx >= 0).unsqueeze(-1), view, torch.zeros_like(view))
+    p, idx = pool.shape[0], rm.view_idx
+    new = new.to(pool.dtype)
+    padded = torch.cat([new, new.new_zeros(1, new.shape[1])])  # [Nn + 1, w]: this step's rows, then a zero row
+    in_pool = (idx >= 0) & (idx < p)
+    cached = pool[torch.where(in_pool, idx, 0)]  # [Nv, w]
+    fresh = padded[torch.where(idx >= p, idx - p, new.shape[0])]  # [Nv, w]; padding reads the zero row
+    view = torch.where(in_pool.unsqueeze(-1), cached, fresh)
+    pool.index_copy_(0, rm.pool_dst, new[rm.pool_src - p])  # after the view: it reads the pool as it was
+    return view

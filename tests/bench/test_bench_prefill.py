@@ -113,6 +113,21 @@ def test_workload_continues_the_cached_prefix():
     assert torch.isfinite(logits).all()
 
 
+def test_workload_pool_factor():
+    """--pool_factor 8: compressed pools 8x the positions the step needs (the step itself unchanged)."""
+    model = build_model("tiny-v41", "cpu", "float32", 1, "auto", None, 0, [])
+    one, eight = build_workload(model, 16, 64, 1, 0, []), build_workload(model, 16, 64, 1, 0, [], pool_factor=8)
+    rows = {n: {k: t.shape[0] for k, t in w.cache.tensors.comp.items()} for n, w in (("1", one), ("8", eight))}
+    assert eight.cache.max_tokens == 8 * one.cache.max_tokens
+    assert all(rows["8"][k] >= 3 * rows["1"][k] for k in rows["1"]), rows  # pages of 64 rows, +1 per sequence
+    assert eight.pool_factor == 8 and any("8x" in n for n in eight.notes)
+    assert torch.equal(eight.meta.positions, one.meta.positions)
+    with torch.no_grad():
+        assert torch.isfinite(model.step(eight.meta, eight.cache.tensors)).all()
+    with pytest.raises(SystemExit, match="pool_factor"):
+        build_workload(model, 16, 64, 1, 0, [], pool_factor=0)
+
+
 def test_workload_two_sequences():
     notes: list[str] = []
     model = build_model("tiny-v41", "cpu", "float32", 1, "auto", None, 0, notes)
