@@ -5,8 +5,9 @@
 
 One JSON line: per mode (``compile``: stock ``torch.compile`` through minidi's backend, no passes; ``passes``: all
 passes, strict) and per layer, teacher-forced (``bench/fidelity.py``): rel-RMS and max error of the layer's output
-streams, of its collapse weights (V4.1) and of the cache rows it writes, the indexer's top-k and candidate agreement,
-the router's expert agreement (at the gate input); end to end from the same cache snapshot: logits rel-RMS, max error
+streams, of its collapse weights (V4.1) and of the cache rows it writes, the indexer's top-k and candidate
+agreement (V4.1, from the layers' shared slots; V4's picks stay inside its layers and are not compared), the
+router's expert agreement (at the gate input); end to end from the same cache snapshot: logits rel-RMS, max error
 and argmax agreement. ``--fp32_reference on`` adds the eager fp32 twin (fake quant as configured: the QAT semantics in
 high precision) to both, as the scale of bf16 noise. The workload is the prefill benchmark's
 (``bench/prefill_workload.py``): full-size presets get random weights, tiny ones load the embedded checkpoint.
