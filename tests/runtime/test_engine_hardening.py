@@ -213,20 +213,25 @@ def test_failing_step_fails_only_its_request(model, reference, chunk):
     _assert_pool_clean(eng, start)
 
 
+def _failing_call(real, n: int, error: BaseException):
+    """``real``, except that its ``n``-th call raises ``error`` (the others pass through)."""
+    calls = []
+
+    def call(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == n:
+            raise error
+        return real(*args, **kwargs)
+    return call
+
+
 def test_failing_fork_fails_only_its_request(model, reference, monkeypatch):
     eng = _engine(model)
     handle = eng.cache_prefix(PREFIX)
     start = eng.cache.free_counts()
-    real = eng.cache._fork_rows
-    calls = []
-
-    def fork_rows(prefix, seq, partial):
-        calls.append(seq.slot)
-        if len(calls) == 1:  # after the slot (and maybe a page) was taken: both must come back
-            raise RuntimeError("CUDA out of memory (simulated)")
-        return real(prefix, seq, partial)
-
-    monkeypatch.setattr(eng.cache, "_fork_rows", fork_rows)
+    # the first fork fails after the slot (and maybe a page) was taken: both must come back
+    monkeypatch.setattr(eng.cache, "_fork_rows",
+                        _failing_call(eng.cache._fork_rows, 1, RuntimeError("CUDA out of memory (simulated)")))
     res = eng.prefill([Request([5, 6], prefix=handle, request_id="victim")] + _good(handle))
     assert "request victim: admission failed: RuntimeError: CUDA out of memory" in res[0].error
     _assert_good(res, reference)
@@ -237,16 +242,7 @@ def test_failing_growth_fails_only_its_request(model, reference, monkeypatch):
     eng = _engine(model)
     handle = eng.cache_prefix(PREFIX)
     start = eng.cache.free_counts()
-    real = eng.cache.grow
-    calls = []
-
-    def grow(seq, new_length):
-        calls.append(new_length)
-        if len(calls) == 2:
-            raise MemoryError("simulated")
-        return real(seq, new_length)
-
-    monkeypatch.setattr(eng.cache, "grow", grow)
+    monkeypatch.setattr(eng.cache, "grow", _failing_call(eng.cache.grow, 2, MemoryError("simulated")))
     res = eng.prefill([Request([5, 6], request_id="first")] + [Request([8, 9], prefix=handle, request_id="victim")]
                       + _good(handle))
     assert res[0].error is None
@@ -261,16 +257,9 @@ def test_internal_error_fails_the_batch_without_raising_or_leaking(model, monkey
     eng = _engine(model)
     handle = eng.cache_prefix(PREFIX)
     start = eng.cache.free_counts()
-    calls = []
-    real = engine_mod.StepItem
-
-    def step_item(*args, **kw):
-        calls.append(1)
-        if len(calls) == 2:  # after two sequences reserved their cache, one of them forked from the prefix
-            raise ZeroDivisionError("scheduler bug (simulated)")
-        return real(*args, **kw)
-
-    monkeypatch.setattr(engine_mod, "StepItem", step_item)
+    # the second item fails after two sequences reserved their cache, one of them forked from the prefix
+    monkeypatch.setattr(engine_mod, "StepItem",
+                        _failing_call(engine_mod.StepItem, 2, ZeroDivisionError("scheduler bug (simulated)")))
     res = eng.prefill(_good(handle))
     assert all("internal error: ZeroDivisionError: scheduler bug" in r.error for r in res)
     _assert_pool_clean(eng, start)
