@@ -117,15 +117,16 @@ def _call_settings(dynamic: bool | None, recompile_limit: int | None) -> context
     return stack
 
 
-def _rounding_config(faithful: bool, aten_reductions: bool = False) -> contextlib.ExitStack:
-    """Inductor's setting for rounding fused intermediates where eager rounds (absent in old torch: no-op), and for
-    ATen's reduction and transcendental kernels (``exact_cpu``: a faithful CPU graph is then eager's, bitwise)."""
+def _rounding_config(faithful: bool | str, example_inputs: list) -> contextlib.ExitStack:
+    """Inductor's setting for rounding fused intermediates where eager rounds (absent in old torch: no-op), and
+    ATen's reduction and transcendental kernels (``exact_cpu``) for a faithful CPU graph, or any graph with
+    ``"exact"``: a faithful CPU graph is then eager's, bitwise."""
     import torch._inductor.config as inductor_config
 
     stack = contextlib.ExitStack()
     if hasattr(inductor_config, "emulate_precision_casts"):  # absent before torch 2.6
-        stack.enter_context(inductor_config.patch(emulate_precision_casts=faithful))
-    if faithful and aten_reductions:
+        stack.enter_context(inductor_config.patch(emulate_precision_casts=bool(faithful)))
+    if faithful == "exact" or (faithful is True and all_cpu(example_inputs)):
         stack.enter_context(aten_kernels())
     return stack
 
@@ -157,8 +158,7 @@ def make_backend(manager: PassManager, inner: str | Callable = "inductor", *,
         t1 = time.perf_counter()
         times["passes"] += t1 - t0
         try:
-            aten = faithful_rounding == "exact" or (faithful_rounding is True and all_cpu(example_inputs))
-            with _rounding_config(bool(faithful_rounding), aten), cacheable_minidi_calls(gm):
+            with _rounding_config(faithful_rounding, example_inputs), cacheable_minidi_calls(gm):
                 return inner_fn(gm, example_inputs)
         except BaseException:  # e.g. a restart of the trace: this graph is discarded, so forget its counts
             del manager.history[n:]

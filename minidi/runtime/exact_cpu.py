@@ -6,12 +6,13 @@ from eager (teacher-forced, per layer, up to 4.5e-5 rel-RMS; through 10 layers o
 0.24 rel-RMS, since the indexer's top-k and the fake quant amplify any difference). ``torch._inductor``'s
 ``CompilerBisector`` named the causes: the decomposition of ``aten._softmax`` (the mHC combine, the compressor's
 pooling) and the lowering of ``aten.mean`` (RMSNorm): Inductor's own reductions sum in another order than ATen's
-CPU kernels. Its elementwise ``exp`` / ``sigmoid`` are not ATen's either (a bf16 chain of them: 3 of 4,096 outputs
-differ, ``tests/runtime/test_compile_settings.py``). ``aten_kernels()`` makes Inductor call ATen's kernels for
-those ops (``REDUCTIONS``, ``TRANSCENDENTALS``) while it compiles, fusing the exactly rounded rest (add, mul, casts,
-where...) as usual: the compiled tiny V4.1 step then equals eager bitwise in every layer.
-For CPU graphs only: on CUDA, Inductor's Triton kernels and ATen's differ in more than the reductions (e.g. ``exp``),
-and an unfused RMSNorm costs a round trip through memory.
+CPU kernels; its elementwise transcendentals are its own code too. ``aten_kernels()`` makes Inductor call ATen's
+kernels for those ops (``REDUCTIONS``, ``TRANSCENDENTALS``) while it compiles, fusing the exactly rounded rest (add,
+mul, casts, where...) as usual: the compiled tiny V4.1 step then equals eager bitwise in every layer
+(``tests/runtime/test_compile.py``, ``test_compile_settings.py``). One eager quirk it cannot remove: eager CPU
+``bf16_tensor + 0.1`` rounds the scalar to bf16 first, Inductor adds it in fp32 (the model has no such op).
+By default for CPU graphs only (``faithful_rounding=True``); ``faithful_rounding="exact"`` uses it on GPU graphs
+too, where an unfused softmax / RMSNorm costs a round trip through memory (not measured on the GPU yet).
 
 The FX graph cache does not see the lowering table, so the change is keyed (``KEY_PASS``: an Inductor custom
 post-grad pass that does nothing but name the setting in the cache key; no custom pass of the caller's is replaced:
