@@ -147,6 +147,8 @@ def make_backend(manager: PassManager, inner: str | Callable = "inductor", *,
     with Inductor's ``emulate_precision_casts`` set to ``faithful_rounding`` while the inner backend compiles."""
     from torch._dynamo.backends.registry import lookup_backend
 
+    if not (isinstance(faithful_rounding, bool) or faithful_rounding == "exact"):
+        raise ValueError(f"faithful_rounding must be True, False or 'exact', got {faithful_rounding!r}")
     inner_fn = lookup_backend(inner) if isinstance(inner, str) else inner
     times = {"passes": 0.0, "backend": 0.0}
 

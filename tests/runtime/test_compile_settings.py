@@ -121,6 +121,11 @@ def test_faithful_rounding_set_while_the_inner_backend_compiles(faithful, device
     assert _settings() == before
 
 
+def test_faithful_rounding_refuses_other_values():
+    with pytest.raises(ValueError, match="faithful_rounding must be True, False or 'exact', got 'yes'"):
+        minidi.compile(lambda x: x + 1, "none", backend=Recorder(), faithful_rounding="yes")
+
+
 def test_inductor_rounds_like_eager_with_faithful_rounding():
     """A bf16 chain Inductor fuses, with the reductions and transcendentals the model uses: eager rounds each op's
     output to bf16 and runs ATen's kernels; stock Inductor keeps the intermediates in fp32 and uses its own exp /
