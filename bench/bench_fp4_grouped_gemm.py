@@ -41,8 +41,10 @@ from minidi.ops.fp4_grouped_gemm_configs import (  # noqa: E402
 
 if __package__:  # python -m bench.bench_fp4_grouped_gemm, the tests
     from . import common  # noqa: E402
+    from .expert_gemm_cases import check, dequant_chunked, make_counts  # noqa: E402
 else:  # python bench/bench_fp4_grouped_gemm.py: the script's folder is sys.path[0]
     import common  # noqa: E402
+    from expert_gemm_cases import check, dequant_chunked, make_counts  # noqa: E402
 
 C = Fp4GemmConfig
 SWEEP = {  # rows per expert >= 160 (EP4) / < 160 (EP1); "short" is the default, "full" adds the rest
@@ -69,7 +71,6 @@ SWEEP = {  # rows per expert >= 160 (EP4) / < 160 (EP1); "short" is the default,
                  C(BM=32, BN=128, BK=128, num_warps=4, num_stages=4, swap=True, decode="asm")],
 }
 SWEEP_BUDGET_S = 75.0  # sweep configs left when the run has taken this long are reported as skipped (total <~ 90 s)
-NAIVE_CHUNK = 16  # experts per eager dequant chunk (its int64 temporaries: ~0.4 GB per expert here)
 
 
 SMOKE = False
@@ -77,29 +78,6 @@ SMOKE = False
 
 def bench_ms(fn) -> float:
     return common.op_ms(fn, "cuda", SMOKE)
-
-
-def make_counts(e: int, rows: int, dist: str, gen: torch.Generator) -> torch.Tensor:
-    if dist == "uniform":
-        return torch.full((e,), rows, dtype=torch.int64)
-    p = torch.exp(torch.randn(e, generator=gen))  # lognormal popularity: a few hot experts, some nearly idle
-    return torch.multinomial(p / p.sum(), e * rows, replacement=True, generator=gen).bincount(minlength=e)
-
-
-def dequant_chunked(wp: torch.Tensor, ws: torch.Tensor, fn, out: torch.Tensor | None = None) -> torch.Tensor:
-    out = torch.empty(*wp.shape[:2], 2 * wp.shape[2], dtype=torch.bfloat16, device=wp.device) if out is None else out
-    for i in range(0, wp.shape[0], NAIVE_CHUNK):
-        out[i:i + NAIVE_CHUNK] = fn(wp[i:i + NAIVE_CHUNK], ws[i:i + NAIVE_CHUNK])
-    return out
-
-
-def check(out: torch.Tensor, ref: torch.Tensor) -> dict:
-    """bf16 vs bf16 (both fp32-accumulated): ok if |d| <= 2^-7 |ref| + 1e-3 max|ref| everywhere."""
-    d = (out.float() - ref.float()).abs()
-    r = ref.float().abs()
-    bad = int((d > 2**-7 * r + 1e-3 * r.max()).sum())
-    return {"ok": bad == 0 and bool(torch.isfinite(out).all()), "bad": bad,
-            "max_rel_err": float(d.max() / r.max()), "mean_rel_err": float(d.mean() / r.mean())}
 
 
 def result(ms: float, flops: float, nbytes: float, pk: dict) -> dict:

@@ -11,6 +11,9 @@ docstring and ``tests/test_formats.py`` / the op tests hold it equal to the func
   sign, bits 0-2 index the grid {0, .5, 1, 1.5, 2, 3, 4, 6}; one E8M0 scale per ``FP4_BLOCK`` = 32 consecutive
   elements along the last dim.
 - FP8 e4m3 (``float8_e4m3fn``): largest finite magnitude ``E4M3_MAX`` = 448.
+- fq8 blocks (the model's FP8 activations): ``fq8_split`` gives the e4m3 values and the power-of-two scale of each
+  block of ``block`` values along the last dim; ``minidi.model.quant.fq8`` is their product, the FP8 GEMMs
+  (``minidi.ops.fp8_*``) multiply the two parts on the tensor cores.
 """
 
 from __future__ import annotations
@@ -48,6 +51,22 @@ def pow2_ceil(y: torch.Tensor) -> torch.Tensor:
     exp = (bits >> 23) & 0xFF
     exp = exp + ((bits & 0x7FFFFF) != 0).to(torch.int32)
     return (exp << 23).view(torch.float32)
+
+
+# ---- fq8 blocks ----------------------------------------------------------------------------------------------------
+FQ8_AMAX_FLOOR = 1e-4  # a block's amax is clamped to at least this before its scale is taken
+
+
+def fq8_split(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., K] (K a multiple of ``block``) -> (q float8_e4m3fn [..., K], s fp32 [..., K/block]) with
+    s = 2^ceil(log2(max(amax, 1e-4) / 448)) per block and q = e4m3(clamp(x / s, +-448)) (round to nearest even):
+    q * s is the model's fq8 of x, exactly."""
+    if x.shape[-1] % block:
+        raise ValueError(f"fq8: last dim {x.shape[-1]} is not a multiple of block {block}")
+    g = x.float().unflatten(-1, (x.shape[-1] // block, block))
+    s = pow2_ceil(g.abs().amax(-1, keepdim=True).clamp_min(FQ8_AMAX_FLOOR) / E4M3_MAX)
+    q = (g / s).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return q.flatten(-2), s.squeeze(-1)
 
 
 # ---- FP4 (e2m1) ----------------------------------------------------------------------------------------------------

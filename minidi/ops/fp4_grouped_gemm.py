@@ -53,6 +53,7 @@ from minidi.formats import FP4_BLOCK, dequant_fp4
 
 from .fp4_grouped_gemm_configs import (DECODES, SCALED_EP1, SCALED_EP4, SCALED_SMALL, Fp4GemmConfig,  # noqa: F401
                                        default_config, fallback_chain)
+from ._grouped_tiles import e_pow2, expert_m_tiles, m_tile_rows
 from ._triton_utils import cannot_run, dot, interpreting, num_sms, resolve_backend, triton_can_run
 
 X_DTYPES = (torch.bfloat16, torch.float32)
@@ -153,26 +154,14 @@ def _fp4_grouped_mm_kernel(
         IS_FP32: tl.constexpr, INTERPRET: tl.constexpr):
     """out[r, n] = sum_k x[r, k] * W[e(r), n, k], W decoded from (w_ptr, s_ptr) in the K loop; see module doc."""
     pid = tl.program_id(0)
-    # device-side schedule: m-tiles of each expert; rows past offs[E-1] own no tile (never written, as _grouped_mm)
-    ei = tl.arange(0, E_POW2)  # [EP]
-    ends = tl.load(offs_ptr + ei, mask=ei < E, other=R)
-    starts = tl.load(offs_ptr + ei - 1, mask=(ei >= 1) & (ei <= E), other=R)
-    starts = tl.where(ei == 0, 0, starts)
-    ends = tl.minimum(tl.maximum(ends, 0), R)
-    starts = tl.minimum(tl.maximum(starts, 0), R)
-    ntile = tl.where(ei < E, (tl.maximum(ends - starts, 0) + BM - 1) // BM, 0)  # [EP] m-tiles per expert
-    cum = tl.cumsum(ntile, 0)  # [EP] inclusive
-    first = cum - ntile  # [EP] first tile id of each expert
+    starts, ends, cum, first, m_tiles = expert_m_tiles(offs_ptr, R, E, BM, E_POW2)  # see _grouped_tiles.py
     n_tiles = tl.cdiv(N, BN)
-    total = tl.sum(ntile, 0) * n_tiles
+    total = m_tiles * n_tiles
 
     for t in range(pid, total, NUM_PROGS):
         mt = t // n_tiles
         nt = t % n_tiles
-        e = tl.sum((cum <= mt).to(tl.int32), 0)  # expert that owns m-tile mt
-        sel = ei == e
-        m0 = tl.sum(tl.where(sel, starts, 0), 0) + (mt - tl.sum(tl.where(sel, first, 0), 0)) * BM
-        m_end = tl.sum(tl.where(sel, ends, 0), 0)
+        e, m0, m_end = m_tile_rows(mt, starts, ends, cum, first, BM, E_POW2)
         rows = m0 + tl.arange(0, BM)  # [BM]
         cols = nt * BN + tl.arange(0, BN)  # [BN]
         src = tl.minimum(rows, R - 1).to(tl.int64)  # clamped: in bounds, masked at the store
@@ -283,8 +272,7 @@ def launch(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor, offs:
     else:
         progs = 4
     progs = max(1, min(progs, max_tiles))
-    # one compiled kernel for every expert count up to 511 on the GPU (the cost is a few 512-wide reductions)
-    e_pow2 = triton.next_power_of_2(e + 1) if interpreting() else max(512, triton.next_power_of_2(e + 1))
+    e_vec = e_pow2(e, interpreting())
     even_k = k % cfg.BK == 0
     scale32 = (k % 128 == 0 and cfg.BK <= 128 and w_scale.stride(0) % 4 == 0 and w_scale.stride(1) % 4 == 0
                and w_scale.data_ptr() % 4 == 0)
@@ -292,7 +280,7 @@ def launch(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor, offs:
         x, w_packed.view(torch.uint8), w_scale.view(torch.uint8), offs, out,
         r, n, k, e, progs,
         x.stride(0), w_packed.stride(0), w_packed.stride(1), w_scale.stride(0), w_scale.stride(1), out.stride(0),
-        BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, E_POW2=e_pow2, SWAP=cfg.swap, DECODE=DECODES.index(cfg.decode),
+        BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, E_POW2=e_vec, SWAP=cfg.swap, DECODE=DECODES.index(cfg.decode),
         EVEN_K=even_k, SCALE32=scale32, IS_FP32=x.dtype == torch.float32, INTERPRET=interpreting(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 

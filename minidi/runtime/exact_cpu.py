@@ -11,6 +11,10 @@ kernels for those ops (``REDUCTIONS``, ``TRANSCENDENTALS``) while it compiles, f
 mul, casts, where...) as usual: the compiled tiny V4.1 step then equals eager bitwise in every layer
 (``tests/runtime/test_compile.py``, ``test_compile_settings.py``). One eager quirk it cannot remove: eager CPU
 ``bf16_tensor + 0.1`` rounds the scalar to bf16 first, Inductor adds it in fp32 (the model has no such op).
+Two torch 2.11 Inductor behaviours that drop a rounding eager does are turned off while it is open (torch 2.13
+already guards both; measured on 2.11: without them tiny V4.1's compiled layers were 0.016-0.12 rel-RMS from eager,
+with them 0 in every layer): the C++ backend's cast cache (``_keep_cpu_round_trips``) and the joint-graph fold of
+``x.to(bf16).to(fp32)`` (``_keep_narrowing_casts``).
 By default for CPU graphs only (``faithful_rounding=True``); ``faithful_rounding="exact"`` uses it on GPU graphs
 too, where an unfused softmax / RMSNorm costs a round trip through memory (not measured on the GPU yet).
 
@@ -79,6 +83,8 @@ def aten_kernels() -> Iterator[None]:
     from torch._inductor import decomposition, lowering
 
     saved = []
+    undo_cast_cache = _keep_cpu_round_trips(inductor_config)
+    undo_pointless_convert = _keep_narrowing_casts()
     for op in _overloads():
         saved.append((op, lowering.lowerings.get(op), decomposition.decompositions.pop(op, None),
                       op in lowering.fallbacks))
@@ -108,6 +114,69 @@ def aten_kernels() -> Iterator[None]:
             if not was_fallback:
                 lowering.fallbacks.discard(op)
         _forget_decomp_tables(decomposition)
+        undo_cast_cache()
+        undo_pointless_convert()
+
+
+def _keep_cpu_round_trips(inductor_config: Any):
+    """Inductor's C++ code reuses a bf16 value's fp32 source for its later readers (a CSE "cast cache"), which skips
+    the bf16 rounding eager does between two fused ops. torch 2.13 turns the cache off under
+    ``emulate_precision_casts`` (pytorch #185337); torch 2.11 does not (measured there: ``x * x + x`` in bf16 differs
+    from eager in 1,181 of 4,096 outputs, 0 with this). Turns it off while open; returns the undo."""
+    try:
+        from torch._inductor.codegen.cpp import CppKernel
+    except ImportError:  # pragma: no cover (no C++ backend)
+        return lambda: None
+    original = CppKernel.__dict__.get("cache_dtype_convert")
+    if original is None:  # pragma: no cover (another Inductor: nothing to turn off)
+        return lambda: None
+
+    def cache_dtype_convert(self, *args, **kwargs):
+        if inductor_config.emulate_precision_casts:
+            return None
+        return original(self, *args, **kwargs)
+
+    CppKernel.cache_dtype_convert = cache_dtype_convert
+
+    def undo() -> None:
+        CppKernel.cache_dtype_convert = original
+
+    return undo
+
+
+def _keep_narrowing_casts():
+    """Inductor's joint-graph pattern ``pointless_convert`` folds ``x.to(a).to(b)`` into ``x.to(b)``. torch 2.13 does
+    so only where the first cast loses nothing; torch 2.11 also folds fp32 -> bf16 -> fp32, which drops a bf16
+    rounding eager does (the bisector's culprit on tiny V4.1's layer 0 there: 0.066 rel-RMS from eager, 0 without
+    the fold). While open, the fold is skipped where the first cast narrows the argument's dtype; returns the undo."""
+    try:
+        from torch._inductor.fx_passes import joint_graph
+    except ImportError:  # pragma: no cover
+        return lambda: None
+    wrapped = []
+    for entries in getattr(getattr(joint_graph, "patterns", None), "patterns", {}).values():
+        for entry in entries:
+            handler = getattr(entry, "handler", None)
+            if getattr(handler, "__name__", "") == "pointless_convert":
+                entry.handler = _unless_narrowing(handler)
+                wrapped.append((entry, handler))
+
+    def undo() -> None:
+        for entry, handler in wrapped:
+            entry.handler = handler
+
+    return undo
+
+
+def _unless_narrowing(handler: Any) -> Any:
+    def pointless_convert(match: Any, arg: Any, dtype1: torch.dtype, dtype2: torch.dtype, *args, **kwargs):
+        val = arg.meta.get("val") if isinstance(arg, torch.fx.Node) else None
+        if val is None or not isinstance(val, torch.Tensor) or dtype1.itemsize < val.dtype.itemsize:
+            return None  # fp32 -> bf16 -> fp32 is a rounding, not a no-op (or the argument's dtype is unknown)
+        return handler(match, arg, dtype1, dtype2, *args, **kwargs)
+
+    pointless_convert.__wrapped__ = handler
+    return pointless_convert
 
 
 def _forget_decomp_tables(decomposition: Any) -> None:

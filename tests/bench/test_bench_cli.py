@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-BENCHES = ("bench_prefill", "bench_fp4_grouped_gemm", "bench_hc_mix", "bench_indexer", "bench_moe_small_ops",
-           "bench_sparse_attention")
+BENCHES = ("bench_prefill", "bench_fp4_grouped_gemm", "bench_fp8_grouped_gemm", "bench_hc_mix", "bench_indexer",
+           "bench_moe_small_ops", "bench_sparse_attention")
 
 
 def _run(*cmd: str, timeout: int = 300) -> subprocess.CompletedProcess:
@@ -58,3 +58,13 @@ def test_torchrun_reference_cli(tmp_path):
     assert json.loads((tmp_path / "r.jsonl").read_text()) == res
     assert any(line.startswith("build model tiny-v41: ") for line in lines)
     assert any(line.startswith("[eager] timing (1 steps): ") for line in lines)
+
+
+def test_fp8_grouped_gemm_smoke():
+    """The FP8 expert GEMM bench end to end on tiny shapes (interpreter): every case's output checked against the
+    bf16 op it would replace."""
+    from bench import bench_fp8_grouped_gemm
+
+    res = bench_fp8_grouped_gemm.main(["--smoke", "--cases", "EP4"])
+    assert len(res["cases"]) == 4
+    assert all(c["fp8_op"]["ok"] for c in res["cases"]), [c["fp8_op"] for c in res["cases"]]

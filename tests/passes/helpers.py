@@ -20,10 +20,42 @@ def compile_with(module: torch.nn.Module, passes: str, n_sites: int | None = Non
 
 
 def graph_text(gm: torch.fx.GraphModule) -> str:
-    """The readable graph without file comments, trailing blanks or object addresses."""
+    """The readable graph without file comments, trailing blanks or object addresses, its inputs in name order
+    (Dynamo orders a graph's placeholders by argument in torch 2.11, by first use in 2.13)."""
     text = normalize_gm(gm.print_readable(print_output=False, include_stride=False, include_device=False))
     text = re.sub(r" at 0x[0-9a-f]+", "", text)
-    return "\n".join(line.rstrip() for line in text.splitlines() if line.strip()) + "\n"
+    lines = _inputs_in_name_order([line.rstrip() for line in text.splitlines() if line.strip()])
+    return "\n".join(lines) + "\n"
+
+
+_SIGNATURE = re.compile(r"^(\s*def forward\(self, )(.*)(\):)$")
+_INPUT = re.compile(r'\w+: "[^"]*"|\w+')
+_ALIAS = re.compile(r"^\s+(l_\w+) = L_\w+$")
+
+
+def _natural(name: str) -> list:
+    """``L_args_2_`` before ``L_args_10_``."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
+
+
+def _inputs_in_name_order(lines: list[str]) -> list[str]:
+    """Sorts each ``forward`` signature's inputs and the block of ``l_x_ = L_x_`` aliases that follows it by name."""
+    out: list[str] = []
+    i = 0
+    while i < len(lines):
+        m = _SIGNATURE.match(lines[i])
+        if m is None:
+            out.append(lines[i])
+            i += 1
+            continue
+        inputs = sorted(_INPUT.findall(m.group(2)), key=lambda a: _natural(a.split(":")[0]))
+        out.append(m.group(1) + ", ".join(inputs) + m.group(3))
+        j = i + 1
+        while j < len(lines) and _ALIAS.match(lines[j]):
+            j += 1
+        out += sorted(lines[i + 1:j], key=lambda line: _natural(_ALIAS.match(line).group(1)))
+        i = j
+    return out
 
 
 def call_targets(gm: torch.fx.GraphModule) -> list[str]:

@@ -61,10 +61,10 @@ def test_moe_combine_rewrite():
     torch.testing.assert_close(out, m(rows, order, local), rtol=1e-6, atol=1e-6)
     assert_expected_inline(graph_text(after), """\
 class GraphModule(torch.nn.Module):
-    def forward(self, L_args_0_: "f32[8, 32]", L_args_2_: "b8[8]", L_args_1_: "i64[8]"):
+    def forward(self, L_args_0_: "f32[8, 32]", L_args_1_: "i64[8]", L_args_2_: "b8[8]"):
         l_args_0_ = L_args_0_
-        l_args_2_ = L_args_2_
         l_args_1_ = L_args_1_
+        l_args_2_ = L_args_2_
         moe_combine: "f32[4, 32]" = minidi_ops_moe_combine_moe_combine(l_args_0_, l_args_1_, l_args_2_, 2, backend = 'auto');  l_args_0_ = l_args_1_ = l_args_2_ = None
         return (moe_combine,)
 """)
@@ -185,9 +185,9 @@ def test_hc_expand_snapshot():
     out, mgr, _, after = run(mix, (comb, x), "G", 1, strict=True)
     assert_expected_inline(graph_text(after), """\
 class GraphModule(torch.nn.Module):
-    def forward(self, L_args_1_: "f32[5, 4, 8]", L_args_0_: "f32[5, 4, 4]"):
-        l_args_1_ = L_args_1_
+    def forward(self, L_args_0_: "f32[5, 4, 4]", L_args_1_: "f32[5, 4, 8]"):
         l_args_0_ = L_args_0_
+        l_args_1_ = L_args_1_
         float_1: "f32[5, 4, 8]" = l_args_1_.float();  l_args_1_ = None
         hc_stream_mix: "f32[5, 4, 8]" = minidi_ops_hc_streams_hc_stream_mix(l_args_0_, float_1);  l_args_0_ = float_1 = None
         return (hc_stream_mix,)
@@ -231,12 +231,12 @@ def test_sparse_attention_rewrite(comp):
     if comp:
         assert_expected_inline(graph_text(after), """\
 class GraphModule(torch.nn.Module):
-    def forward(self, L_args_2_: "i64[5, 4]", L_args_1_: "f32[12, 32]", L_args_4_: "i64[5, 3]", L_args_3_: "f32[6, 32]", L_args_0_: "f32[5, 4, 32]", L_args_5_: "f32[4]"):
-        l_args_2_ = L_args_2_
-        l_args_1_ = L_args_1_
-        l_args_4_ = L_args_4_
-        l_args_3_ = L_args_3_
+    def forward(self, L_args_0_: "f32[5, 4, 32]", L_args_1_: "f32[12, 32]", L_args_2_: "i64[5, 4]", L_args_3_: "f32[6, 32]", L_args_4_: "i64[5, 3]", L_args_5_: "f32[4]"):
         l_args_0_ = L_args_0_
+        l_args_1_ = L_args_1_
+        l_args_2_ = L_args_2_
+        l_args_3_ = L_args_3_
+        l_args_4_ = L_args_4_
         l_args_5_ = L_args_5_
         sparse_attention: "f32[5, 4, 32]" = minidi_ops_sparse_attention_sparse_attention(l_args_0_, l_args_1_, l_args_2_, l_args_3_, l_args_4_, l_args_5_, 0.125, backend = 'auto');  l_args_0_ = l_args_1_ = l_args_2_ = l_args_3_ = l_args_4_ = l_args_5_ = None
         return (sparse_attention,)
@@ -304,9 +304,9 @@ def test_indexer_rewrite(allowed):
     if not allowed:
         assert_expected_inline(graph_text(after), """\
 class GraphModule(torch.nn.Module):
-    def forward(self, L_args_1_: "f32[24, 32]", L_args_0_: "f32[6, 8, 32]", L_args_2_: "f32[6, 8]", L_args_3_: "i64[6]", L_args_4_: "i64[6]"):
-        l_args_1_ = L_args_1_
+    def forward(self, L_args_0_: "f32[6, 8, 32]", L_args_1_: "f32[24, 32]", L_args_2_: "f32[6, 8]", L_args_3_: "i64[6]", L_args_4_: "i64[6]"):
         l_args_0_ = L_args_0_
+        l_args_1_ = L_args_1_
         l_args_2_ = L_args_2_
         l_args_3_ = L_args_3_
         l_args_4_ = L_args_4_
@@ -503,14 +503,14 @@ def test_moe_activation_rewrite_after_d_and_its_refusals():
     assert mgr.counts == {"D": 3, "H": 1}
     assert_expected_inline(graph_text(after), """\
 class GraphModule(torch.nn.Module):
-    def forward(self, L_args_0_: "f32[9, 64]", L_args_1_: "i8[3, 64, 32]", L_args_2_: "u8[3, 64, 2]", L_args_5_: "i32[3]", L_args_6_: "f32[9, 1]", L_args_3_: "i8[3, 64, 32]", L_args_4_: "u8[3, 64, 2]"):
+    def forward(self, L_args_0_: "f32[9, 64]", L_args_1_: "i8[3, 64, 32]", L_args_2_: "u8[3, 64, 2]", L_args_3_: "i8[3, 64, 32]", L_args_4_: "u8[3, 64, 2]", L_args_5_: "i32[3]", L_args_6_: "f32[9, 1]"):
         l_args_0_ = L_args_0_
         l_args_1_ = L_args_1_
         l_args_2_ = L_args_2_
-        l_args_5_ = L_args_5_
-        l_args_6_ = L_args_6_
         l_args_3_ = L_args_3_
         l_args_4_ = L_args_4_
+        l_args_5_ = L_args_5_
+        l_args_6_ = L_args_6_
         fp4_grouped_mm: "f32[9, 64]" = minidi_ops_fp4_grouped_gemm_fp4_grouped_mm(l_args_0_, l_args_1_, l_args_2_, l_args_5_, backend = 'auto')
         fp4_grouped_mm_1: "f32[9, 64]" = minidi_ops_fp4_grouped_gemm_fp4_grouped_mm(l_args_0_, l_args_1_, l_args_2_, l_args_5_, backend = 'auto');  l_args_0_ = l_args_1_ = l_args_2_ = None
         moe_activation: "f32[9, 64]" = minidi_ops_moe_activation_moe_activation(fp4_grouped_mm, fp4_grouped_mm_1, l_args_6_, l_args_5_, 10.0, 32, backend = 'auto');  fp4_grouped_mm = fp4_grouped_mm_1 = l_args_6_ = None

@@ -1,0 +1,163 @@
+"""FP8 x FP4 grouped expert GEMM (minidi::fp8_fp4_grouped_mm) vs today's bf16-tensor-core op and torch's bf16
+grouped GEMM, at V4.1-Flash shapes on one GPU, in one run.
+
+Shapes: w1/w3 (N 2,304, K 5,120) and w2 (N 5,120, K 2,304); EP4 rank (96 experts x 256 rows) and EP1 (384 x 64),
+R = 24,576 rows either way; rows per expert uniform or skewed (lognormal popularity, sigma 1, same R). Compared:
+- fp8 op: ``fp8_fp4_grouped_mm`` on the split rows (its default config, + a sweep of configs on uniform rows);
+- fp8 op + split: the same with ``fq8_split`` of the rows in the timed call (what a pass that cannot fuse the split
+  into the producer costs);
+- bf16 op: ``fp4_grouped_mm`` (weights decoded to bf16 in the kernel) on the fq8 rows in bf16;
+- grouped_mm bf16: ``torch._grouped_mm`` on weights dequantised beforehand (dequant not counted).
+Every output is checked against the bf16 op's (the same products; only the order of the fp32 sums differs).
+Peaks measured in the same run: bf16 and fp8 (``torch._scaled_mm``) 8192^3 matmuls. FLOPs = 2 R N K.
+The last line is one JSON object (``--out`` writes it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+if "--smoke" in sys.argv:  # CPU dry run of the script itself (tiny shapes, Triton interpreter); set before imports
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+
+from minidi.model.moe import grouped_mm  # noqa: E402
+from minidi.model.quant import fq8  # noqa: E402
+from minidi.ops.fp4_grouped_gemm import fp4_dequant_ref, fp4_grouped_mm  # noqa: E402
+from minidi.ops.fp8_grouped_gemm import Fp8GemmConfig, default_config, launch  # noqa: E402
+from minidi.ops.fp8_quant import fq8_split  # noqa: E402
+
+if __package__:
+    from . import common  # noqa: E402
+    from .expert_gemm_cases import check, dequant_chunked, make_counts  # noqa: E402
+else:
+    import common  # noqa: E402
+    from expert_gemm_cases import check, dequant_chunked, make_counts  # noqa: E402
+
+C = Fp8GemmConfig
+SWEEP = [C(BM=128, BN=128, BK=128, num_warps=8, num_stages=3),
+         C(BM=128, BN=128, BK=64, num_warps=8, num_stages=4),
+         C(BM=64, BN=128, BK=128, num_warps=4, num_stages=4),
+         C(BM=128, BN=256, BK=64, num_warps=8, num_stages=3),
+         C(BM=256, BN=128, BK=64, num_warps=8, num_stages=3),
+         C(BM=128, BN=64, BK=128, num_warps=4, num_stages=4),
+         C(BM=64, BN=64, BK=128, num_warps=4, num_stages=4, progs_per_sm=2)]
+SWEEP_BUDGET_S = 150.0
+
+
+def fp8_peak_tflops(device: str) -> float:
+    m = 8192
+    a = torch.randn(m, m, device=device).to(torch.float8_e4m3fn)
+    b = torch.randn(m, m, device=device).to(torch.float8_e4m3fn).t()
+    one = torch.ones((), device=device)
+    ms = common.median_ms(lambda: torch._scaled_mm(a, b, one, one, out_dtype=torch.bfloat16), device,
+                          flush_l2=False)
+    return 2 * m**3 / ms / 1e9
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--sweep", action="store_true", help="time the SWEEP configs on uniform rows")
+    ap.add_argument("--cases", default="EP4,EP1", help="comma list of EP4, EP1")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--smoke", action="store_true", help="CPU dry run on tiny shapes (interpreter)")
+    args = ap.parse_args(argv)
+    smoke = args.smoke
+    device = "cpu" if smoke else "cuda"
+    t0 = time.perf_counter()
+    torch.manual_seed(args.seed)
+    gen = torch.Generator().manual_seed(args.seed)
+    pk = common.measure_peaks(device)
+    if not smoke:
+        pk["fp8_tflops"] = float(f"{fp8_peak_tflops(device):.4g}")
+    dev = "cpu (smoke)" if smoke else common.device_name(device)
+    common.say(f"fp8_fp4_grouped_mm bench | {dev} | torch {torch.__version__} | triton {triton.__version__} | "
+               f"peaks: bf16 {pk['bf16_tflops']:.0f}, fp8 {pk.get('fp8_tflops', float('nan')):.0f} TFLOP/s")
+    shapes = ((("EP4", 4, 40), ("EP1", 8, 8)), (("w13", 96, 128), ("w2", 64, 192))) if smoke else (
+        (("EP4", 96, 256), ("EP1", 384, 64)), (("w13", 2304, 5120), ("w2", 5120, 2304)))
+    wanted = set(args.cases.split(","))
+
+    def ms(fn) -> float:
+        return common.op_ms(fn, device, smoke)
+
+    cases = []
+    for ep, e, rows in shapes[0]:
+        if ep not in wanted:
+            continue
+        for path, n, k in shapes[1]:
+            wp = torch.randint(-128, 128, (e, n, k // 2), dtype=torch.int8, device=device)
+            ws = torch.randint(118, 123, (e, n, k // 32), dtype=torch.uint8, device=device).view(torch.float8_e8m0fnu)
+            w_bf16 = dequant_chunked(wp, ws, lambda a, b: fp4_dequant_ref(a, b, torch.bfloat16))
+            for dist in ("uniform", "skewed"):
+                counts = make_counts(e, rows, dist, gen)
+                offs = counts.cumsum(0).to(torch.int32).to(device)
+                r = int(counts.sum())
+                x = fq8(torch.randn(r, k, device=device, dtype=torch.bfloat16), 32)  # rows on the fq8 grid
+                q, s = fq8_split(x, 32)
+                flops = 2.0 * r * n * k
+                case = {"ep": ep, "experts": e, "path": path, "N": n, "K": k, "dist": dist, "R": r,
+                        "max_rows": int(counts.max()), "flops": flops}
+                ref = fp4_grouped_mm(x, wp, ws, offs)
+                out = torch.empty_like(ref)
+                cfg = default_config(q.device, k, r / e)
+                launch(q, s, wp, ws, offs, out, cfg)
+                timed = {
+                    "fp8_op": lambda: launch(q, s, wp, ws, offs, out, cfg),
+                    "fp8_op_with_split": lambda: launch(*fq8_split(x, 32), wp, ws, offs, out, cfg),
+                    "fq8_split_alone": lambda: fq8_split(x, 32),
+                    "bf16_op": lambda: fp4_grouped_mm(x, wp, ws, offs),
+                    "grouped_mm_bf16": lambda: grouped_mm(x, w_bf16, offs),
+                }
+                for name, fn in timed.items():
+                    t = ms(fn)
+                    case[name] = {"ms": round(t, 4), "tflops": round(flops / t / 1e9, 1)}
+                case["fq8_split_alone"]["gbps"] = round(r * k * (2 + 1 + 4 / 32) / case["fq8_split_alone"]["ms"] / 1e6)
+                case["fp8_op"]["config"] = cfg.name()
+                case["fp8_op"].update(check(out, ref))
+                case["fp8_op"]["pct_fp8_peak"] = round(100 * case["fp8_op"]["tflops"] / pk.get("fp8_tflops", 1), 1)
+                case["fp8_op"]["x_vs_bf16_op"] = round(case["bf16_op"]["ms"] / case["fp8_op"]["ms"], 2)
+                sweep = []
+                if args.sweep and dist == "uniform":
+                    for c in SWEEP:
+                        row = {"config": c.name()}
+                        if time.perf_counter() - t0 > SWEEP_BUDGET_S:
+                            row["error"] = "skipped: time budget"
+                            sweep.append(row)
+                            continue
+                        try:
+                            o = torch.empty_like(ref)
+                            launch(q, s, wp, ws, offs, o, c)
+                            row.update(check(o, ref))
+                            t = ms(lambda: launch(q, s, wp, ws, offs, o, c))
+                            row.update(ms=round(t, 4), tflops=round(flops / t / 1e9, 1))
+                        except Exception as err:  # a config that does not compile / fit: report it
+                            row["error"] = f"{type(err).__name__}: {str(err)[:200]}"
+                        sweep.append(row)
+                case["sweep"] = sweep
+                cases.append(case)
+                common.say(f"{ep} {path} {dist:<8} fp8 {case['fp8_op']['tflops']:7.1f} TFLOP/s "
+                           f"({case['fp8_op']['ms']:.3f} ms, ok {case['fp8_op']['ok']}) | +split "
+                           f"{case['fp8_op_with_split']['tflops']:7.1f} | bf16 op {case['bf16_op']['tflops']:7.1f} | "
+                           f"grouped_mm bf16 {case['grouped_mm_bf16']['tflops']:7.1f} | split "
+                           f"{case['fq8_split_alone']['gbps']} GB/s")
+                for row in sweep:
+                    common.say(f"    {row['config']:<28} {row.get('tflops', '')!s:>8} {row.get('ok', '')!s:>6} "
+                               f"{row.get('error', '')[:80]}")
+                x = q = s = ref = out = None
+            wp = ws = w_bf16 = None
+            if not smoke:
+                torch.cuda.empty_cache()
+    res = {"bench": "fp8_grouped_gemm", "device": dev, "torch": torch.__version__, "triton": triton.__version__,
+           "peaks": pk, "cases": cases, "wall_s": round(time.perf_counter() - t0, 1)}
+    common.emit_json(res, out=args.out)
+    return res
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,127 @@
+"""fq8 split: bf16 / fp32 activations -> e4m3 values + one power-of-two fp32 scale per block of 32 (or 128) along K,
+the operands of the FP8 GEMMs (``fp8_grouped_gemm.py``).
+
+    q, s = fq8_split(x, block)     # x [R, K] -> q float8_e4m3fn [R, K], s fp32 [R, K / block]
+    # s = 2^ceil(log2(max(amax, 1e-4) / 448)) per block, q = e4m3(clamp(x / s, +-448)), round to nearest even
+
+so that q * s is the model's ``fq8(x)`` bit for bit (``minidi.formats.fq8_split`` is the reference). On an input
+that is already fq8's output, the split is exact (q * s == x): the products of the FP8 GEMM are then the products
+of the bf16 GEMM it replaces.
+
+Kernel: one program per ``BLOCKS`` consecutive blocks of one row-major [R, K] tensor, viewed as [R * K / block,
+block]; loads in fp32, amax per block, the scale from the amax's bits (``pow2_ceil``), the quotient by multiplying
+with 1 / s (a power of two: exact), e4m3 rounding by the hardware conversion (``cvt.rn.satfinite``) on the GPU and by
+exact fp32 and integer arithmetic in the interpreter, whose fp32 -> fp8 cast truncates. Memory-bound: reads 2 B
+(bf16) and writes 1 B + 4 / block B per element.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from minidi.formats import E4M3_MAX, FQ8_AMAX_FLOOR, fq8_split as fq8_split_ref
+
+from ._triton_utils import cannot_run, interpreting, resolve_backend, triton_can_run
+
+X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+BLOCK_SIZES = (32, 128)
+_E4M3_MAX = tl.constexpr(E4M3_MAX)
+_AMAX_FLOOR = tl.constexpr(FQ8_AMAX_FLOOR)
+
+
+@triton.jit
+def pow2_ceil(y):
+    """2^ceil(log2(y)) for positive normal fp32 y, from its bits; twin of ``minidi.formats.pow2_ceil``."""
+    bits = y.to(tl.int32, bitcast=True)
+    exp = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+    return (exp << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def e4m3_bits(v):
+    """fp32 with |v| <= 448 -> the e4m3 byte of its nearest value (ties to even; -0 kept), as int32. Rounds by adding
+    and subtracting 1.5 * 2^(u + 23), u the exponent of v's e4m3 ulp (2^(e - 3) for normal v, 2^-9 below 2^-6), in
+    the fp32 adder, then assembles the byte. The interpreter's stand-in for the hardware conversion (its own
+    fp32 -> fp8 cast truncates, and drops the sign of -0 with some NumPy versions)."""
+    vb = v.to(tl.int32, bitcast=True)
+    a = tl.abs(v)
+    e = ((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    u = tl.maximum(e, -6) - 3
+    magic = (((u + 23 + 127) << 23) | 0x400000).to(tl.float32, bitcast=True)
+    r = (a + magic) - magic  # the rounded magnitude, an e4m3 value
+    rb = r.to(tl.int32, bitcast=True)
+    re = ((rb >> 23) & 0xFF) - 127
+    normal = ((re + 7) << 3) | ((rb >> 20) & 7)
+    sub = (r * 512.0).to(tl.int32)  # multiples of 2^-9 below 2^-6: codes 0..7
+    return tl.where(re >= -6, normal, sub) | (((vb >> 31) & 1) << 7)
+
+
+@triton.jit
+def _fq8_split_kernel(x_ptr, q_ptr, s_ptr, n_blocks, BLOCK: tl.constexpr, BLOCKS: tl.constexpr,
+                      INTERPRET: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64) * BLOCKS + tl.arange(0, BLOCKS)  # [BLOCKS] block ids
+    j = tl.arange(0, BLOCK)
+    ok = b < n_blocks
+    offs = b[:, None] * BLOCK + j[None, :]
+    x = tl.load(x_ptr + offs, mask=ok[:, None], other=0.0).to(tl.float32)  # [BLOCKS, BLOCK]
+    amax = tl.maximum(tl.max(tl.abs(x), 1), _AMAX_FLOOR)
+    s = pow2_ceil(tl.div_rn(amax, _E4M3_MAX))  # [BLOCKS]
+    inv = ((254 - ((s.to(tl.int32, bitcast=True) >> 23) & 0xFF)) << 23).to(tl.float32, bitcast=True)  # 1 / s
+    v = tl.minimum(tl.maximum(x * inv[:, None], -_E4M3_MAX), _E4M3_MAX)
+    if INTERPRET:
+        tl.store(q_ptr.to(tl.pointer_type(tl.uint8)) + offs, e4m3_bits(v).to(tl.uint8), mask=ok[:, None])
+    else:
+        tl.store(q_ptr + offs, v.to(tl.float8e4nv), mask=ok[:, None])
+    tl.store(s_ptr + b, s, mask=ok)
+
+
+def _check(x: torch.Tensor, block: int) -> None:
+    if x.dim() < 1 or x.dtype not in X_DTYPES:
+        raise ValueError(f"fq8_split: x must be [..., K] with dtype in {X_DTYPES}, got {tuple(x.shape)} {x.dtype}")
+    if block not in BLOCK_SIZES:
+        raise ValueError(f"fq8_split: block must be one of {BLOCK_SIZES}, got {block}")
+    if x.shape[-1] % block:
+        raise ValueError(f"fq8_split: the last dim {x.shape[-1]} is not a multiple of block {block}")
+
+
+@torch.library.custom_op("minidi::fq8_split", mutates_args=())
+def _fq8_split_op(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    if not triton_can_run(x):
+        raise cannot_run("minidi::fq8_split", x)
+    x = x.contiguous()
+    q = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty(*x.shape[:-1], x.shape[-1] // block, dtype=torch.float32, device=x.device)
+    n_blocks = x.numel() // block
+    if n_blocks:
+        blocks = 32 if block == 32 else 8
+        _fq8_split_kernel[(triton.cdiv(n_blocks, blocks),)](x, q, s, n_blocks, BLOCK=block, BLOCKS=blocks,
+                                                            INTERPRET=interpreting(), num_warps=4)
+    return q, s
+
+
+@_fq8_split_op.register_fake
+def _(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return (x.new_empty(x.shape, dtype=torch.float8_e4m3fn),
+            x.new_empty(*x.shape[:-1], x.shape[-1] // block, dtype=torch.float32))
+
+
+@torch.library.custom_op("minidi::fq8_split_ref", mutates_args=())
+def _fq8_split_ref_op(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return fq8_split_ref(x, block)
+
+
+@_fq8_split_ref_op.register_fake
+def _(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return (x.new_empty(x.shape, dtype=torch.float8_e4m3fn),
+            x.new_empty(*x.shape[:-1], x.shape[-1] // block, dtype=torch.float32))
+
+
+def fq8_split(x: torch.Tensor, block: int = 32, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., K] bf16 / fp16 / fp32 -> (q float8_e4m3fn [..., K], s fp32 [..., K / block]), q * s = fq8(x) exactly;
+    see the module doc. ``backend``: "auto" | "triton" | "ref" (``minidi.formats.fq8_split``)."""
+    _check(x, block)
+    if resolve_backend(backend, "fq8_split", x) == "ref":
+        return _fq8_split_ref_op(x, block)
+    return _fq8_split_op(x, block)
