@@ -23,8 +23,10 @@ import time
 import numpy as np
 import torch
 
+import minidi
+from minidi.model.layers import apply_rope
 from minidi.model.sparse_attention import sparse_attention_naive
-from minidi.ops.sparse_attention import encode_slots, launch
+from minidi.ops.sparse_attention import ROPE_OUT, ROPE_Q, encode_slots, launch
 
 if __package__:  # python -m bench.bench_sparse_attention, the tests
     from . import common
@@ -165,6 +167,30 @@ def main() -> None:
         except Exception as e:
             rows.append((f"{DEFAULT} (independent picks)", float("nan"), False, float("nan"), str(e)[:120]))
         del indep
+
+    # the model's rotations around the attention (64 of 512 channels): folded into the kernel (pass A's rope_mode 3)
+    # vs the kernel plus stock Inductor's two rotation kernels, as the step ran them before
+    if DEFAULT in args.variants.split(","):
+        ang = torch.rand(T, 32, device="cuda") * 1000.0
+        cos, sin = ang.cos(), ang.sin()
+        cfg = VARIANTS[DEFAULT]
+        q_raw = inputs[0]
+        # compiled as the step compiles them (minidi.compile, no passes, faithful rounding: no FMA contraction)
+        rot_q = minidi.compile(lambda x, c, s_: apply_rope(x, c, s_), "none")
+        rot_o = minidi.compile(lambda x, c, s_: apply_rope(x, c, s_, inverse=True), "none")
+        try:
+            fused = launch(*inputs, rope_cos=cos, rope_sin=sin, rope_mode=ROPE_Q | ROPE_OUT, **cfg)
+            unfused = rot_o(launch(rot_q(q_raw, cos, sin), *inputs[1:], **cfg), cos, sin)
+            same = bool(torch.equal(fused, unfused))
+            ms_f = bench_ms(lambda: launch(*inputs, rope_cos=cos, rope_sin=sin, rope_mode=ROPE_Q | ROPE_OUT, **cfg))
+            ms_u = bench_ms(lambda: rot_o(launch(rot_q(q_raw, cos, sin), *inputs[1:], **cfg), cos, sin))
+            ms_r = bench_ms(lambda: rot_q(q_raw, cos, sin))
+            rows.append((f"{DEFAULT} + rotations folded", ms_f, same, 0.0, "rope_mode 3; ok = bit-equal to unfused"))
+            rows.append((f"{DEFAULT} + 2 Inductor rotations", ms_u, True, 0.0, f"one rotation kernel {ms_r:.3f} ms"))
+            result["rotations"] = dict(folded_ms=ms_f, unfused_ms=ms_u, one_rotation_kernel_ms=ms_r,
+                                       bit_equal=same, rotation_kernel_gbps=2 * q_raw.numel() * 2 / ms_r / 1e6)
+        except Exception as e:
+            rows.append(("rotations", float("nan"), False, float("nan"), f"{type(e).__name__}: {e}"[:200]))
 
     common.say(f"\n{'path':<40} {'ms':>8} {'TFLOP/s':>8} {'%peak':>6} {'keyGB/s':>8} {'x eager':>8} {'x comp':>7}  "
                f"{'ok':<5} {'max err':>8}  notes")

@@ -32,6 +32,10 @@ layout, so with 64 rows both warpgroups compute the full Q@K^T (1.5x the useful 
 two programs per token, each owning half of D and computing the full Q@K^T (also 1.5x, and every row gathered
 twice). Either way the kernel is capped at 2/3 of the tensor-core peak.
 
+``rope_mode`` (pass A folds the model's rotations in; ``docs/ops/sparse_attention.md``): ``ROPE_Q`` rotates q's
+trailing 2 r2 channels by (cos, sin) as the kernel loads it, ``ROPE_OUT`` rotates the output's back as it stores it,
+each with ``apply_rope``'s arithmetic and roundings (``rope_ref`` is its twin).
+
 Legend: T queries, H heads, D head dim, W window slots, K compressed slots, Nw / Nc cache rows,
 BH heads per program, BK key slots per step, BD = next_pow2(D), DV = BD / nsplit output columns per program.
 """
@@ -52,16 +56,44 @@ MAX_D = 512  # the [BH, D] fp32 accumulator must fit one SM's registers
 
 
 # ---- reference -----------------------------------------------------------------------------------------------------
+ROPE_Q = 1  # rope_mode bit: rotate q's trailing 2 r2 channels by (cos, sin) as the kernel loads it
+ROPE_OUT = 2  # rope_mode bit: rotate the output's trailing 2 r2 channels back (by -angle) as the kernel stores it
+
+
+def rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """Rotate the trailing ``2 * cos.shape[-1]`` channels of x [T, H, D] as interleaved pairs (2i, 2i + 1), in fp32,
+    rounded to x's dtype; cos / sin [T, r2] fp32; ``inverse`` rotates by -angle. A deliberate twin of
+    ``minidi.model.layers.apply_rope`` (tests/ops/test_sparse_attention.py holds the two bit-equal)."""
+    r = 2 * cos.shape[-1]
+    nope, rot = x[..., :-r], x[..., -r:]
+    c, s = cos.view(cos.shape[0], 1, -1), sin.view(sin.shape[0], 1, -1)
+    if inverse:
+        s = -s
+    pairs = rot.float().unflatten(-1, (r // 2, 2))
+    x0, x1 = pairs[..., 0], pairs[..., 1]
+    out = torch.stack([x0 * c - x1 * s, x0 * s + x1 * c], dim=-1).flatten(-2).to(x.dtype)
+    return torch.cat([nope, out], dim=-1)
+
+
 def sparse_attention_ref(q: torch.Tensor, window_kv: torch.Tensor, window_idx: torch.Tensor,
                          comp_kv: torch.Tensor | None, comp_idx: torch.Tensor | None, sink: torch.Tensor,
-                         scale: float) -> torch.Tensor:
-    """Plain torch, the naive path's math (test oracle and fallback). Shapes and dtypes as ``sparse_attention``.
+                         scale: float, rope_cos: torch.Tensor | None = None, rope_sin: torch.Tensor | None = None,
+                         rope_mode: int = 0) -> torch.Tensor:
+    """Plain torch, the naive path's math (test oracle and fallback). Shapes and dtypes as ``sparse_attention``;
+    ``rope_mode`` bits (``ROPE_Q``, ``ROPE_OUT``): ``rope_ref`` of q before, of the output (inverse) after.
 
     A deliberate twin of ``minidi.model.sparse_attention.sparse_attention_naive`` (the ops import nothing of the
     model); ``tests/ops/test_sparse_attention.py::test_ref_is_the_model_naive_function`` holds the two bit-equal.
 
     A query with no valid key returns NaN here (0/0), as the naive path does; the kernel returns 0 there.
     """
+    if rope_mode & ROPE_Q:
+        q = rope_ref(q, rope_cos, rope_sin)
+    out = _attention_ref(q, window_kv, window_idx, comp_kv, comp_idx, sink, scale)
+    return rope_ref(out, rope_cos, rope_sin, inverse=True) if rope_mode & ROPE_OUT else out
+
+
+def _attention_ref(q, window_kv, window_idx, comp_kv, comp_idx, sink, scale) -> torch.Tensor:
     keys = window_kv[window_idx.clamp(min=0)]  # [T, W, D]
     idx = window_idx
     if comp_idx is not None and comp_kv is not None:
@@ -92,6 +124,57 @@ def _round_p(e, ROUND_BF16: tl.constexpr, INTERPRET: tl.constexpr):
         return e
 
 
+@triton.jit
+def _product(a, b, INTERPRET: tl.constexpr):
+    """a * b rounded to fp32 on its own: on the GPU behind an opaque move, so that the compiler cannot contract it
+    into a fused multiply-add with the sum it feeds (the rotation must round as eager's separate mul / sub)."""
+    p = a * b
+    if not INTERPRET:
+        p = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=f,f", [p], dtype=tl.float32, is_pure=True, pack=1)
+    return p
+
+
+@triton.jit
+def _rope_load(q_ptr, q_rows, offs, ok, h_ok, cos_ptr, sin_ptr, t, D: tl.constexpr, R2: tl.constexpr,
+               ROUND_BF16: tl.constexpr, INTERPRET: tl.constexpr):
+    """q [BH, len(offs)] with its trailing 2 R2 channels of D rotated (pairs 2i, 2i+1; rope_ref's math: each
+    product rounded, then the sum) and rounded to q's dtype; the partner of channel d is loaded from d ^ 1."""
+    x = tl.load(q_ptr + q_rows[:, None] + offs[None, :], mask=h_ok[:, None] & ok[None, :], other=0.0)
+    rot = ok & (offs >= D - 2 * R2)  # [len]
+    pair = tl.where(rot, (offs - (D - 2 * R2)) // 2, 0)
+    c = tl.load(cos_ptr + t * R2 + pair, mask=rot, other=1.0)
+    s = tl.load(sin_ptr + t * R2 + pair, mask=rot, other=0.0)
+    s = tl.where(offs % 2 == 0, -s, s)  # even: x0 c - x1 s; odd: x1 c + x0 s
+    xp = tl.load(q_ptr + q_rows[:, None] + (offs ^ 1)[None, :], mask=h_ok[:, None] & rot[None, :], other=0.0)
+    y = _product(x.to(tl.float32), c[None, :], INTERPRET) + _product(xp.to(tl.float32), s[None, :], INTERPRET)
+    y = _round_p(y, ROUND_BF16, INTERPRET)
+    if INTERPRET:  # keep fp32 storage there (its bf16 arithmetic is wrong; mma upcasts anyway)
+        return tl.where(rot[None, :], y, x.to(tl.float32))
+    return tl.where(rot[None, :], y, x)
+
+
+@triton.jit
+def _rope_store_values(out, d_base, cos_ptr, sin_ptr, t, D: tl.constexpr, R2: tl.constexpr, BH: tl.constexpr,
+                       DV: tl.constexpr, ROUND_BF16: tl.constexpr, INTERPRET: tl.constexpr):
+    """The output tile [BH, DV] (fp32) rounded to the output dtype, its trailing 2 R2 channels of D rotated back
+    (by -angle; pairs split out of the tile), rounded again: rope_ref(out, cos, sin, inverse=True). fp32 storage."""
+    o = _round_p(out, ROUND_BF16, INTERPRET).to(tl.float32)
+    x0, x1 = tl.split(tl.reshape(o, (BH, DV // 2, 2)))  # [BH, DV/2] each
+    d0 = d_base + 2 * tl.arange(0, DV // 2)  # the tile's even channels
+    rot = (d0 >= D - 2 * R2) & (d0 < D)
+    pair = tl.where(rot, (d0 - (D - 2 * R2)) // 2, 0)
+    c = tl.load(cos_ptr + t * R2 + pair, mask=rot, other=1.0)[None, :]
+    s = -tl.load(sin_ptr + t * R2 + pair, mask=rot, other=0.0)[None, :]  # inverse rotation
+    y0 = _product(x0, c, INTERPRET) - _product(x1, s, INTERPRET)
+    y1 = _product(x0, s, INTERPRET) + _product(x1, c, INTERPRET)
+    y0 = tl.where(rot[None, :], y0, x0)
+    y1 = tl.where(rot[None, :], y1, x1)
+    y = tl.reshape(tl.join(y0, y1), (BH, DV))
+    if ROUND_BF16 and INTERPRET:
+        y = round_bf16(y)  # the interpreter's fp32 -> bf16 store truncates: hand it the rounded value
+    return y
+
+
 # slot code: window row r -> r, compressed row r -> r | 2^30, empty -> -1 (rows < 2^30)
 COMP_BIT = tl.constexpr(30)
 COMP_FLAG = tl.constexpr(1 << 30)
@@ -119,11 +202,11 @@ def _encode_slots_kernel(widx_ptr, cidx_ptr, code_ptr, W, K, Nw, Nc, BLOCK: tl.c
 
 @triton.jit
 def _sparse_attention_kernel(
-    q_ptr, kv_ptr, code_ptr, sink_ptr, out_ptr,
+    q_ptr, kv_ptr, code_ptr, sink_ptr, out_ptr, cos_ptr, sin_ptr,
     comp_off, H, n_keys, n_tiles, scale,
     D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
     NSPLIT: tl.constexpr, ROUND_BF16: tl.constexpr, IEEE: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    ROPE_Q: tl.constexpr, ROPE_OUT: tl.constexpr, R2: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """Tiles (token t, head block hb, D part) in that order, fastest last; a grid smaller than n_tiles loops."""
     pid = tl.program_id(0)
@@ -141,13 +224,20 @@ def _sparse_attention_kernel(
         offs_d = dpart * DV + tl.arange(0, DV)  # [DV] own columns: PV output and one Q@K^T chunk
         d_ok = (offs_d < D) | (D == BLOCK_D)  # constant-true when D fills the block: masks stay per row
         q_rows = (t * H + offs_h) * D  # [BH]
-        q = tl.load(q_ptr + q_rows[:, None] + offs_d[None, :], mask=h_ok[:, None] & d_ok[None, :],
-                    other=0.0)  # [BH, DV]
+        if ROPE_Q:  # q's rotation in the load (rope_ref's math and rounding)
+            q = _rope_load(q_ptr, q_rows, offs_d, d_ok, h_ok, cos_ptr, sin_ptr, t, D, R2, ROUND_BF16, INTERPRET)
+        else:
+            q = tl.load(q_ptr + q_rows[:, None] + offs_d[None, :], mask=h_ok[:, None] & d_ok[None, :],
+                        other=0.0)  # [BH, DV]
         if NSPLIT == 2:  # the other half of D, for Q@K^T only
             offs_o = (1 - dpart) * DV + tl.arange(0, DV)
             o_ok = (offs_o < D) | (D == BLOCK_D)
-            q_o = tl.load(q_ptr + q_rows[:, None] + offs_o[None, :], mask=h_ok[:, None] & o_ok[None, :],
-                          other=0.0)  # [BH, DV]
+            if ROPE_Q:
+                q_o = _rope_load(q_ptr, q_rows, offs_o, o_ok, h_ok, cos_ptr, sin_ptr, t, D, R2, ROUND_BF16,
+                                 INTERPRET)
+            else:
+                q_o = tl.load(q_ptr + q_rows[:, None] + offs_o[None, :], mask=h_ok[:, None] & o_ok[None, :],
+                              other=0.0)  # [BH, DV]
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)  # running max over real keys
         l_i = tl.zeros([BLOCK_H], tl.float32)  # running denominator (unrounded exp)
         acc = tl.zeros([BLOCK_H, DV], tl.float32)
@@ -181,6 +271,11 @@ def _sparse_attention_kernel(
         sink = tl.load(sink_ptr + offs_h, mask=h_ok, other=0.0)
         denom = l_i + tl.exp(sink - m_i)  # sink in the denominator only; no real key: exp(+inf), out = 0
         out = acc / denom[:, None]
+        if ROPE_OUT:  # the output's inverse rotation in the store
+            out = _rope_store_values(out, dpart * DV, cos_ptr, sin_ptr, t, D, R2, BLOCK_H, DV, ROUND_BF16,
+                                     INTERPRET)
+        elif ROUND_BF16 and INTERPRET:
+            out = round_bf16(out)  # the interpreter's fp32 -> bf16 store truncates: hand it the rounded value
         tl.store(out_ptr + q_rows[:, None] + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
                  mask=h_ok[:, None] & d_ok[None, :])
 
@@ -216,6 +311,7 @@ def encode_slots(window_idx: torch.Tensor, comp_idx: torch.Tensor | None, nw: in
 
 def launch(q: torch.Tensor, window_kv: torch.Tensor, window_idx: torch.Tensor, comp_kv: torch.Tensor | None,
            comp_idx: torch.Tensor | None, sink: torch.Tensor, scale: float, info: dict | None = None,
+           rope_cos: torch.Tensor | None = None, rope_sin: torch.Tensor | None = None, rope_mode: int = 0,
            **config) -> torch.Tensor:
     """Run the kernel on checked inputs; ``config`` overrides ``default_config`` (the bench compares variants).
 
@@ -248,11 +344,17 @@ def launch(q: torch.Tensor, window_kv: torch.Tensor, window_idx: torch.Tensor, c
     if cfg["persistent"]:  # one program per SM, looping over tiles in order
         n_prog = min(n_tiles, 1 if interp else num_sms(q.device))
     launch_kw = {} if interp else dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    if rope_mode:
+        rope_cos, rope_sin = rope_cos.contiguous(), rope_sin.contiguous()
+    else:  # dummy (never read) pointers
+        rope_cos = rope_sin = sink
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
         kernel = _sparse_attention_kernel[(n_prog,)](
-            q, window_kv, code, sink, out, comp_off, h, w + k, n_tiles, float(scale),
+            q, window_kv, code, sink, out, rope_cos, rope_sin, comp_off, h, w + k, n_tiles, float(scale),
             D=d, BLOCK_H=block_h, BLOCK_K=block_k, BLOCK_D=block_d, NSPLIT=nsplit,
-            ROUND_BF16=q.dtype == torch.bfloat16, IEEE=q.dtype == torch.float32, INTERPRET=interp, **launch_kw)
+            ROUND_BF16=q.dtype == torch.bfloat16, IEEE=q.dtype == torch.float32,
+            ROPE_Q=bool(rope_mode & ROPE_Q), ROPE_OUT=bool(rope_mode & ROPE_OUT),
+            R2=rope_cos.shape[-1] if rope_mode else 1, INTERPRET=interp, **launch_kw)
     if info is not None:
         info.update(cfg, grid=n_prog)
         if not interp and kernel is not None:
@@ -267,16 +369,18 @@ def launch(q: torch.Tensor, window_kv: torch.Tensor, window_idx: torch.Tensor, c
 @torch.library.custom_op("minidi::sparse_attention", mutates_args=())
 def _sparse_attention_op(q: torch.Tensor, window_kv: torch.Tensor, window_idx: torch.Tensor,
                          comp_kv: torch.Tensor | None, comp_idx: torch.Tensor | None, sink: torch.Tensor,
-                         scale: float) -> torch.Tensor:
-    _check(q, window_kv, window_idx, comp_kv, comp_idx, sink, scale)
-    tensors = [x for x in (q, window_kv, window_idx, comp_kv, comp_idx, sink) if x is not None]
+                         scale: float, rope_cos: torch.Tensor | None = None, rope_sin: torch.Tensor | None = None,
+                         rope_mode: int = 0) -> torch.Tensor:
+    _check(q, window_kv, window_idx, comp_kv, comp_idx, sink, scale, rope_cos, rope_sin, rope_mode)
+    tensors = [x for x in (q, window_kv, window_idx, comp_kv, comp_idx, sink, rope_cos, rope_sin) if x is not None]
     if not triton_can_run(*tensors):
         raise cannot_run("minidi::sparse_attention", *tensors)
-    return launch(q, window_kv, window_idx, comp_kv, comp_idx, sink, scale)
+    return launch(q, window_kv, window_idx, comp_kv, comp_idx, sink, scale, rope_cos=rope_cos, rope_sin=rope_sin,
+                  rope_mode=rope_mode)
 
 
 @_sparse_attention_op.register_fake
-def _(q, window_kv, window_idx, comp_kv, comp_idx, sink, scale):
+def _(q, window_kv, window_idx, comp_kv, comp_idx, sink, scale, rope_cos=None, rope_sin=None, rope_mode=0):
     return q.new_empty(q.shape)
 
 
@@ -294,7 +398,23 @@ def _check_rows(kv_name: str, kv: torch.Tensor, n: str, idx_name: str, idx: torc
                          f"{idx.dtype}")
 
 
-def _check(q, window_kv, window_idx, comp_kv, comp_idx, sink, scale) -> None:
+def _check_rope(q: torch.Tensor, rope_cos, rope_sin, rope_mode) -> None:
+    if rope_mode not in (0, ROPE_Q, ROPE_OUT, ROPE_Q | ROPE_OUT):
+        raise ValueError(f"sparse_attention: rope_mode must be 0, ROPE_Q (1), ROPE_OUT (2) or 3, got {rope_mode!r}")
+    if not rope_mode:
+        return
+    t, _, d = q.shape
+    for name, x in (("rope_cos", rope_cos), ("rope_sin", rope_sin)):
+        if x is None or x.dim() != 2 or x.shape[0] != t or x.dtype != torch.float32:
+            raise ValueError(f"sparse_attention: rope_mode {rope_mode} needs {name} [T={t}, r2] float32, got "
+                             f"{'None' if x is None else f'{shape(x)} {x.dtype}'}")
+    if rope_cos.shape != rope_sin.shape or not 1 <= 2 * rope_cos.shape[1] <= d:
+        raise ValueError(f"sparse_attention: rope_cos / rope_sin must both be [T, r2] with 2 r2 <= D={d}, got "
+                         f"{shape(rope_cos)} and {shape(rope_sin)}")
+
+
+def _check(q, window_kv, window_idx, comp_kv, comp_idx, sink, scale, rope_cos=None, rope_sin=None,
+           rope_mode=0) -> None:
     if q.dim() != 3 or q.dtype not in Q_DTYPES:
         raise ValueError(f"sparse_attention: q must be [T, H, D] in {Q_DTYPES}, got {shape(q)} {q.dtype}")
     t, h, d = q.shape
@@ -315,14 +435,17 @@ def _check(q, window_kv, window_idx, comp_kv, comp_idx, sink, scale) -> None:
         raise ValueError(f"sparse_attention: sink must be [H={h}] float32, got {shape(sink)} {sink.dtype}")
     if not isinstance(scale, (float, int)):
         raise ValueError(f"sparse_attention: scale must be a Python float, got {type(scale).__name__}")
-    devices = {x.device for x in (q, window_kv, window_idx, comp_kv, comp_idx, sink) if x is not None}
+    _check_rope(q, rope_cos, rope_sin, rope_mode)
+    devices = {x.device for x in (q, window_kv, window_idx, comp_kv, comp_idx, sink, rope_cos, rope_sin)
+               if x is not None}
     if len(devices) != 1:
         raise ValueError(f"sparse_attention: all tensors must share a device, got {sorted(map(str, devices))}")
 
 
 def sparse_attention(q: torch.Tensor, window_kv: torch.Tensor, window_idx: torch.Tensor,
                      comp_kv: torch.Tensor | None, comp_idx: torch.Tensor | None, sink: torch.Tensor,
-                     scale: float, backend: str = "auto") -> torch.Tensor:
+                     scale: float, backend: str = "auto", rope_cos: torch.Tensor | None = None,
+                     rope_sin: torch.Tensor | None = None, rope_mode: int = 0) -> torch.Tensor:
     """Attention of each query over key rows read by index from two caches, with a per-head sink.
 
     q [T, H, D] bf16 or fp32; window_kv [Nw, D] and comp_kv [Nc, D] in q's dtype (one row = key and value for all
@@ -331,9 +454,15 @@ def sparse_attention(q: torch.Tensor, window_kv: torch.Tensor, window_idx: torch
     Semantics of ``sparse_attention_naive``: fp32 scores, max over real keys only, exp rounded to bf16 before PV in
     bf16 mode, fp32 accumulation and denominator (sink in the denominator only). A query with no valid key gets 0
     from the kernel (the naive path and ``backend='ref'`` give NaN). ``backend``: "auto" (the kernel where it can run,
-    else the reference), "triton" or "ref" (plain torch).
+    else the reference), "triton" or "ref" (plain torch). ``rope_mode`` (pass A folds the model's rotations in):
+    ``ROPE_Q`` rotates q's trailing 2 r2 channels by rope_cos / rope_sin [T, r2] fp32 in the load (q is then the
+    unrotated query; ``rope_ref``'s math and bf16 rounding), ``ROPE_OUT`` rotates the output's back (by -angle) in
+    the store, after its rounding to q's dtype; ``ROPE_Q | ROPE_OUT`` both.
     """
-    _check(q, window_kv, window_idx, comp_kv, comp_idx, sink, scale)
-    if resolve_backend(backend, "sparse_attention", q, window_kv, window_idx, comp_kv, comp_idx, sink) == "ref":
-        return sparse_attention_ref(q, window_kv, window_idx, comp_kv, comp_idx, sink, scale)
-    return _sparse_attention_op(q, window_kv, window_idx, comp_kv, comp_idx, sink, float(scale))
+    _check(q, window_kv, window_idx, comp_kv, comp_idx, sink, scale, rope_cos, rope_sin, rope_mode)
+    if resolve_backend(backend, "sparse_attention", q, window_kv, window_idx, comp_kv, comp_idx, sink, rope_cos,
+                       rope_sin) == "ref":
+        return sparse_attention_ref(q, window_kv, window_idx, comp_kv, comp_idx, sink, scale, rope_cos, rope_sin,
+                                    rope_mode)
+    return _sparse_attention_op(q, window_kv, window_idx, comp_kv, comp_idx, sink, float(scale), rope_cos, rope_sin,
+                                rope_mode)

@@ -31,6 +31,10 @@ class Match:
     args: tuple
     kwargs: dict = field(default_factory=dict)
     outputs: list[tuple[Node, int | None]] = field(default_factory=list)  # (naive node, index into the result)
+    # (user, old input, new input or None = the replacement's result): inputs of nodes outside the subgraph that
+    # must read another value once it is spliced (a profiler stage marker on a tensor the replacement absorbs)
+    reroute: list[tuple[Node, Node, Node | None]] = field(default_factory=list)
+    mutation_start: Node | None = None  # where the mutation check starts (default: the subgraph's first node)
 
     def first(self, graph: Graph) -> Node:
         for n in graph.nodes:
@@ -77,7 +81,7 @@ def apply_match(graph: Graph, m: Match) -> bool:
     subgraph's first node and its anchor (the replacement reads its inputs at the anchor, and must see what the naive
     code saw), when a naive result is used before the anchor, or when an input of the replacement is computed after
     it."""
-    if mutation_between(graph, m.first(graph), m.anchor, m.nodes) is not None:
+    if mutation_between(graph, m.mutation_start or m.first(graph), m.anchor, m.nodes) is not None:
         return False
     order = {n: i for i, n in enumerate(graph.nodes)}
     if any(order[u] < order[m.anchor] for old, _ in m.outputs for u in old.users if u not in m.nodes):
@@ -111,6 +115,8 @@ def apply_match(graph: Graph, m: Match) -> bool:
                 cast.meta["example_value"] = got.to(want.dtype)
                 repl = cast
             old.replace_all_uses_with(repl)
+        for user, old, repl in m.reroute:
+            user.replace_input_with(old, new if repl is None else repl)
     erase_dead(graph, m.nodes)
     return True
 

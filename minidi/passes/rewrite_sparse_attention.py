@@ -17,6 +17,13 @@ Replacement::
 
     out = sparse_attention(q, window_kv, window_idx, comp_kv, comp_idx, sink, scale)  # rows read by index, no [T,K,D]
 
+The model's rotations around it (``minidi.model.layers.apply_rope``: q = apply_rope(q_raw, cos, sin) before,
+apply_rope(out, cos, sin, inverse=True) after) are folded in where the chain is exact and its tensors have no other
+reader: the op then rotates q in its load and the output in its store (``rope_mode`` ROPE_Q / ROPE_OUT), and the
+two elementwise kernels of [T, H, D] around the attention leave the step::
+
+    out = sparse_attention(q_raw, ..., rope_cos=cos, rope_sin=sin, rope_mode=ROPE_Q | ROPE_OUT)
+
 Matched from the attention end backwards, so a gather + where that does not feed this attention (the compressed
 view's own ``rows[view_idx]``) is never taken; both einsum equations, the -1 test, the -inf fill, the max/exp/sum
 chain and the sink term are checked exactly.
@@ -29,10 +36,11 @@ import math
 import torch
 from torch.fx import Node
 
-from minidi.ops.sparse_attention import sparse_attention
+from minidi.ops.sparse_attention import ROPE_OUT, ROPE_Q, sparse_attention
 
 from .base import Match, Rewrite
-from .fx_utils import arg, dims_equal, dtype, is_call, is_literal, n_args, normalize_einsum, rank
+from .fx_utils import (arg, dims_equal, dtype, is_call, is_inplace, is_literal, n_args, normalize_einsum, rank,
+                       same_int, val)
 
 
 def _one(node, *names: str, n: int | None = None) -> bool:
@@ -54,6 +62,149 @@ def _gather(node) -> tuple[Node, Node] | None:
 def _keepdim_last(node, name: str) -> bool:
     return (_one(node, name, n=3) and dims_equal(arg(node, 1, "dim"), -1, 2)
             and arg(node, 2, "keepdim") is True)
+
+
+def _slice(node, x) -> tuple[bool, object] | None:
+    """x[..., :k] -> (True, k); x[..., k:] -> (False, k); else None."""
+    if not (is_call(node, "getitem") and len(node.args) == 2 and node.args[0] is x):
+        return None
+    key = node.args[1]
+    if not (isinstance(key, tuple) and len(key) == 2 and key[0] is Ellipsis and isinstance(key[1], slice)):
+        return None
+    sl = key[1]
+    if sl.step is not None:
+        return None
+    if sl.start is None and sl.stop is not None:
+        return True, sl.stop
+    if sl.stop is None and sl.start is not None:
+        return False, sl.start
+    return None
+
+
+def _pair(node, pairs, i: int) -> bool:
+    return (is_call(node, "getitem") and len(node.args) == 2 and node.args[0] is pairs
+            and node.args[1] == (Ellipsis, i))
+
+
+def _products(node, name: str, a, b) -> tuple[Node, Node] | None:
+    """name(mul(a, u), mul(b, v)) -> (u, v)."""
+    if not (is_call(node, name) and len(node.args) == 2 and not node.kwargs):
+        return None
+    m1, m2 = node.args
+    if not all(is_call(m, "mul") and len(m.args) == 2 for m in (m1, m2)):
+        return None
+    if m1.args[0] is not a or m2.args[0] is not b:
+        return None
+    return m1.args[1], m2.args[1]
+
+
+def rope_chain(cat) -> tuple[Node, Node, Node, bool, set[Node]] | None:  # noqa: C901 (a straight walk up one chain)
+    """The chain of ``apply_rope(x, cos, sin, inverse)`` ending at ``cat`` -> (x, cos, sin, inverse, its nodes):
+    x [T, H, D]; cos / sin [T, r2] viewed as [T, 1, r2]; the trailing 2 r2 channels rotated as pairs."""
+    if not (is_call(cat, "cat") and n_args(cat) == 2 and dims_equal(arg(cat, 1, "dim"), -1, 2)):
+        return None
+    parts = cat.args[0]
+    if not (isinstance(parts, (list, tuple)) and len(parts) == 2):
+        return None
+    nope, out = parts
+    if not (_one(out, "to", n=2) and _one(out.args[0], "flatten", n=2) and is_literal(arg(out.args[0], 1), -2)):
+        return None
+    stack = out.args[0].args[0]
+    if not (is_call(stack, "stack") and n_args(stack) == 2 and dims_equal(arg(stack, 1, "dim"), -1)):
+        return None
+    ys = stack.args[0]
+    if not (isinstance(ys, (list, tuple)) and len(ys) == 2):
+        return None
+    y0, y1 = ys
+    if not (is_call(y0, "sub") and y0.args and is_call(y0.args[0], "mul") and y0.args[0].args):
+        return None
+    x0 = y0.args[0].args[0]
+    if not (is_call(x0, "getitem") and isinstance(x0.args[0], Node)):
+        return None
+    pairs = x0.args[0]
+    x1 = next((u for u in pairs.users if _pair(u, pairs, 1)), None)
+    if x1 is None or not _pair(x0, pairs, 0):
+        return None
+    cs = _products(y0, "sub", x0, x1)  # x0 * c - x1 * s
+    sc = _products(y1, "add", x0, x1)  # x0 * s + x1 * c
+    if cs is None or sc is None or (sc[0], sc[1]) != (cs[1], cs[0]):
+        return None
+    c, s = cs
+    if not (_one(pairs, "unflatten", n=3) and is_literal(arg(pairs, 1), -1) and _one(pairs.args[0], "float", n=1)):
+        return None
+    shape = arg(pairs, 2)
+    if not (isinstance(shape, (tuple, list)) and len(shape) == 2 and is_literal(shape[1], 2)):
+        return None
+    rot = pairs.args[0].args[0]
+    x = rot.args[0] if is_call(rot, "getitem") and rot.args else None
+    lo, hi = _slice(nope, x), _slice(rot, x)
+    if lo is None or hi is None or not lo[0] or hi[0] or lo[1] != hi[1]:
+        return None
+    inverse = is_call(s, "neg") and n_args(s) == 1
+    sview = s.args[0] if inverse else s
+    if not (is_call(c, "view") and is_call(sview, "view") and c.args and sview.args):
+        return None
+    cos, sin = c.args[0], sview.args[0]
+    xv, cv, sv, vv = val(x), val(cos), val(sin), val(c)
+    if not all(isinstance(v, torch.Tensor) for v in (xv, cv, sv, vv)):
+        return None
+    if xv.dim() != 3 or cv.dim() != 2 or sv.shape != cv.shape or vv.dim() != 3 or not same_int(vv.shape[1], 1):
+        return None
+    if not (same_int(cv.shape[0], xv.shape[0]) and same_int(shape[0], cv.shape[1])):
+        return None
+    if cv.dtype != torch.float32 or sv.dtype != torch.float32 or out.args[1] != xv.dtype:
+        return None
+    nodes = {cat, out, out.args[0], stack, y0, y1, *y0.args, *y1.args, x0, x1, pairs, pairs.args[0], rot, nope, c,
+             s, sview}
+    return x, cos, sin, inverse, nodes
+
+
+def _is_marker(node: Node) -> bool:
+    """A profiler stage marker (``minidi.model.stages``): reads a tensor for ordering only."""
+    return node.op == "call_function" and "stage_mark" in str(node.target)
+
+
+def _readers(node: Node, inside: set[Node]) -> list[Node] | None:
+    """The stage markers among node's users when every other user is in ``inside``; None otherwise."""
+    if not node.users:
+        return None
+    markers = [u for u in node.users if u not in inside]
+    return markers if all(_is_marker(u) for u in markers) else None
+
+
+def _first(graph, nodes: set[Node]) -> Node:
+    return next(n for n in graph.nodes if n in nodes)
+
+
+def _untouched_between(graph, start: Node, stop: Node, tensors: set[Node]) -> bool:
+    """No in-place node between ``start`` and ``stop`` takes one of ``tensors`` (or the tensor it is a view of) as an
+    argument, stage markers aside: the replacement may read them later than the naive chain did."""
+    watch = set(tensors) | {t.args[0] for t in tensors if is_call(t, "getitem", "view") and t.args}
+    inside = False
+    for n in graph.nodes:
+        if n is start:
+            inside = True
+        elif n is stop:
+            return True
+        elif inside and is_inplace(n) and not _is_marker(n) and watch & set(n.all_input_nodes):
+            return False
+    return True
+
+
+def _descendant_cats(node: Node, depth: int = 12) -> list[Node]:
+    """The ``cat`` nodes within ``depth`` uses of ``node`` (where an apply_rope chain on node's output ends)."""
+    seen, frontier, cats = {node}, [node], []
+    for _ in range(depth):
+        nxt = []
+        for n in frontier:
+            for u in n.users:
+                if u not in seen:
+                    seen.add(u)
+                    nxt.append(u)
+                    if is_call(u, "cat"):
+                        cats.append(u)
+        frontier = nxt
+    return cats
 
 
 class SparseAttention(Rewrite):
@@ -155,6 +306,33 @@ class SparseAttention(Rewrite):
             return None
         if any(x is not None and dtype(x) not in (torch.int32, torch.int64) for x in (window_idx, comp_idx)):
             return None
+        graph = node.graph
+        start = _first(graph, nodes)  # the attention's own first node: the mutation check starts here
+        kwargs, result, reroute = {"backend": self.op_backend}, node, []
+        cos = sin = None
+        mode = 0
+        rq = rope_chain(q)  # q = apply_rope(q_raw, cos, sin), read by this attention (and stage markers) only
+        if rq is not None and not rq[3] and dtype(rq[0]) == qdt:
+            markers = _readers(q, nodes)
+            if markers is not None and _untouched_between(graph, _first(graph, rq[4]), start, {rq[0], rq[1], rq[2]}):
+                reroute += [(mk, q, rq[0]) for mk in markers]  # a marker of the rotated q now marks q_raw
+                q, cos, sin = rq[0], rq[1], rq[2]
+                mode |= ROPE_Q
+                nodes |= rq[4]
+        for cat in _descendant_cats(node):  # the output's apply_rope(out, cos, sin, inverse=True)
+            ro = rope_chain(cat)
+            if ro is None or ro[0] is not node or not ro[3] or (cos is not None and (ro[1], ro[2]) != (cos, sin)):
+                continue
+            markers = _readers(node, ro[4])
+            if markers is not None:
+                reroute += [(mk, node, None) for mk in markers]  # a marker of the output marks the op's result
+                cos, sin = ro[1], ro[2]
+                mode |= ROPE_OUT
+                nodes |= ro[4]
+                result = cat
+            break
+        if mode:
+            kwargs.update(rope_cos=cos, rope_sin=sin, rope_mode=mode)
         return Match(anchor=node, nodes=nodes, target=sparse_attention,
                      args=(q, window_kv, window_idx, comp_kv, comp_idx, sink, float(scale)),
-                     kwargs={"backend": self.op_backend}, outputs=[(node, None)])
+                     kwargs=kwargs, outputs=[(result, None)], reroute=reroute, mutation_start=start)

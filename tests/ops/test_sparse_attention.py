@@ -14,7 +14,9 @@ import torch
 
 from minidi.model.sparse_attention import sparse_attention_naive
 from minidi.ops import _triton_utils
-from minidi.ops.sparse_attention import launch, sparse_attention, sparse_attention_ref
+from minidi.model.layers import apply_rope
+from minidi.ops.sparse_attention import (ROPE_OUT, ROPE_Q, launch, rope_ref, sparse_attention,
+                                         sparse_attention_ref)
 
 BF16_TOL = dict(rtol=2**-7, atol=4e-3)
 VARIANTS = [dict(), dict(nsplit=2, num_warps=4), dict(BLOCK_K=32, persistent=True)]
@@ -235,6 +237,56 @@ def test_clear_errors(monkeypatch):
     assert torch.equal(sparse_attention(q, wkv, widx, ckv, cidx, sink, 0.3), ref)  # auto: the reference here
 
 
+# ---- the rotations folded into the kernel (pass A with the model's q / output RoPE) ------------------------------
+def _angles(t: int, r2: int, device="cpu", seed=0):
+    ang = torch.rand(t, r2, generator=torch.Generator().manual_seed(seed)) * 40.0
+    return ang.cos().to(device), ang.sin().to(device)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("inverse", [False, True])
+def test_rope_ref_is_the_model_apply_rope(dtype, inverse):
+    x = torch.randn(6, 5, 48, generator=torch.Generator().manual_seed(4)).to(dtype)
+    cos, sin = _angles(6, 8)
+    assert torch.equal(rope_ref(x, cos, sin, inverse), apply_rope(x, cos, sin, inverse))
+
+
+@pytest.mark.parametrize("mode", [ROPE_Q, ROPE_OUT, ROPE_Q | ROPE_OUT])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cfg", VARIANTS, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()) or "default")
+@pytest.mark.parametrize("t,h,d,w,k,r2", [(5, 4, 64, 8, 6, 8), (4, 3, 48, 5, 7, 4)])
+def test_rotations_in_load_and_store_equal_the_model_chain(t, h, d, w, k, r2, cfg, dtype, mode):
+    """The fused rotations are the model's: bit-equal to rope_ref (= apply_rope) of q before and of the output
+    after the unfused kernel, with each rounding where the model rounds (q's dtype after the rotation; the output
+    rounded, rotated back, rounded again)."""
+    args = _case(t, h, d, w, k, dtype=dtype, seed=r2 + mode)
+    cos, sin = _angles(t, r2, seed=mode)
+    q = args[0]
+    out = launch(*args, 0.2, rope_cos=cos, rope_sin=sin, rope_mode=mode, **cfg)
+    base = launch(rope_ref(q, cos, sin) if mode & ROPE_Q else q, *args[1:], 0.2, **cfg)
+    assert torch.equal(out, rope_ref(base, cos, sin, inverse=True) if mode & ROPE_OUT else base)
+    ref = sparse_attention_ref(*args, 0.2, cos, sin, mode)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    else:
+        torch.testing.assert_close(out.float(), ref.float(), **BF16_TOL)
+
+
+def test_rope_arguments_are_checked_and_opcheck():
+    args = _case(5, 3, 32, 4, 3, seed=13)
+    cos, sin = _angles(5, 4)
+    with pytest.raises(ValueError, match="rope_mode must be"):
+        sparse_attention(*args, 0.3, rope_cos=cos, rope_sin=sin, rope_mode=4)
+    with pytest.raises(ValueError, match="needs rope_sin"):
+        sparse_attention(*args, 0.3, rope_cos=cos, rope_mode=ROPE_Q)
+    with pytest.raises(ValueError, match="needs rope_cos"):
+        sparse_attention(*args, 0.3, rope_cos=cos[:2], rope_sin=sin, rope_mode=ROPE_OUT)
+    with pytest.raises(ValueError, match="2 r2 <= D"):
+        big = _angles(5, 17)
+        sparse_attention(*args, 0.3, rope_cos=big[0], rope_sin=big[1], rope_mode=ROPE_Q)
+    torch.library.opcheck(torch.ops.minidi.sparse_attention.default, (*args, 0.3, cos, sin, ROPE_Q | ROPE_OUT))
+
+
 # ---- realistic sizes on the GPU -----------------------------------------------------------------------------------
 @pytest.mark.gpu
 @pytest.mark.parametrize("cfg", VARIANTS + [dict(num_stages=3), dict(nsplit=2, num_warps=4, BLOCK_K=32)],
@@ -266,3 +318,16 @@ def test_gpu_rounding_fixture():
         out = launch(*args, 1.0, **cfg).float()
         torch.testing.assert_close(out[:, :, 1], ref[:, :, 1], rtol=0, atol=1e-4)
         torch.testing.assert_close(out, ref, **BF16_TOL)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", VARIANTS, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()) or "default")
+def test_gpu_rotations_equal_the_model_chain(cfg):
+    """V4.1's shape (rope on the last 64 of 512 channels): bit-equal to eager's rotations around the unfused kernel
+    (no fused multiply-add in the rotation)."""
+    t, h, d, w, k = 256, 64, 512, 128, 512
+    args = _case(t, h, d, w, k, nw=t + w, nc=4096, dtype=torch.bfloat16, seed=3, device="cuda")
+    cos, sin = _angles(t, 32, device="cuda")
+    out = launch(*args, d**-0.5, rope_cos=cos, rope_sin=sin, rope_mode=ROPE_Q | ROPE_OUT, **cfg)
+    base = launch(apply_rope(args[0], cos, sin), *args[1:], d**-0.5, **cfg)
+    assert torch.equal(out, apply_rope(base, cos, sin, inverse=True))

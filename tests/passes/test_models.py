@@ -20,6 +20,8 @@ from expecttest import assert_expected_inline
 from torch._dynamo.utils import counters
 
 import minidi
+from minidi.ops.sparse_attention import ROPE_OUT, ROPE_Q
+from minidi.passes.rewrite_sparse_attention import rope_chain
 from minidi.model.context import ModelCache, StepMeta
 from minidi.passes import PassManager, PassMatchError
 from minidi.runtime.compile import dynamic_shape_config, expected_sites
@@ -86,6 +88,13 @@ def test_naive_ops_gone(compiled):
     }
     einsums = [n.args[0] for n in after.graph.nodes if n.op == "call_function" and "einsum" in str(n.target)]
     assert not {"thd,tkd->thk", "thk,tkd->thd", "thd,nd->thn", "rk,enk->ren"} & set(einsums)
+    # q's and the output's rotations went into the attention at every site: no apply_rope chain is left on an
+    # attention's input or output (the key's and the compressor's rotations stay)
+    attn = [n for n in after.graph.nodes if n.op == "call_function" and "sparse_attention" in str(n.target)]
+    assert [n.kwargs.get("rope_mode") for n in attn] == [ROPE_Q | ROPE_OUT] * want["A"]
+    chains = [r for r in (rope_chain(n) for n in after.graph.nodes) if r is not None]
+    assert chains and not {r[0] for r in chains} & set(attn)
+    assert not any(rope_chain(n.args[0]) for n in attn)
 
 
 def test_inserted_ops_carry_fake_values(compiled):
@@ -149,7 +158,13 @@ class _Traced(Exception):
     pass
 
 
+ROPE_MODES: list[int] = []  # rope_mode of every sparse_attention the last trace_counts graph calls
+
+
 def _trace_only(gm, example_inputs):
+    ROPE_MODES[:] = [n.kwargs.get("rope_mode", 0) for n in gm.graph.nodes
+                     if n.op == "call_function" and getattr(n.target, "__name__", "") == "sparse_attention"]
+
     def run(*args):
         raise _Traced
 
@@ -210,3 +225,4 @@ def test_full_size_counts_traced_with_fake_weights(name):
     model = fake_model(name)
     want = {k: len(v) for k, v in expected_sites(model.cfg).items()}
     assert trace_counts(model, 24) == want
+    assert ROPE_MODES == [ROPE_Q | ROPE_OUT] * want["A"]  # both rotations folded at every site

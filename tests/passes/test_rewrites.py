@@ -20,7 +20,10 @@ from minidi.model.indexer import indexer_topk_naive
 from minidi.model.moe import dequant_expert_stack, gate_logits_fp32, grouped_mm, moe_combine_naive
 from minidi.model.quant import quantize_fp4
 from minidi.selection import topk_set
+from minidi.model import stages
+from minidi.model.layers import apply_rope, rope_cos_sin_lookup
 from minidi.model.sparse_attention import sparse_attention_naive
+from minidi.ops.sparse_attention import ROPE_OUT, ROPE_Q, sparse_attention
 from minidi.passes import PassMatchError
 
 from .helpers import call_targets, compile_with, graph_text
@@ -241,6 +244,87 @@ class GraphModule(torch.nn.Module):
         sparse_attention: "f32[5, 4, 32]" = minidi_ops_sparse_attention_sparse_attention(l_args_0_, l_args_1_, l_args_2_, l_args_3_, l_args_4_, l_args_5_, 0.125, backend = 'auto');  l_args_0_ = l_args_1_ = l_args_2_ = l_args_3_ = l_args_4_ = l_args_5_ = None
         return (sparse_attention,)
 """)
+
+
+def rope_attention(q_raw, wkv, widx, ckv, cidx, sink, table, pos, markers=False, out_reader=False):
+    """Attention.forward's shape: q = apply_rope(q_raw), the naive attention between stage markers, the output
+    rotated back (``out_reader``: the unrotated output is also returned, so the output rotation must stay)."""
+    cos, sin = rope_cos_sin_lookup(pos, table)
+    q = apply_rope(q_raw, cos, sin)
+    if markers:
+        stages.enter("attn.core", q)
+    o = sparse_attention_naive(q, wkv, widx, ckv, cidx, sink, 0.125)
+    if markers:
+        stages.exit("attn.core", o)
+    r = apply_rope(o, cos, sin, inverse=True)
+    return (r, o) if out_reader else r
+
+
+def rope_inputs(dtype):
+    g = torch.Generator().manual_seed(9)
+    q, wkv, widx, ckv, cidx, sink = attn_inputs(g, True)
+    table = torch.randn(40, 4, 2, generator=g)
+    pos = torch.randint(0, 40, (q.shape[0],), generator=g)
+    return (q.to(dtype), wkv.to(dtype), widx, ckv.to(dtype), cidx, sink, table, pos)
+
+
+@pytest.mark.parametrize("markers", [False, True], ids=["plain", "stage-markers"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sparse_attention_folds_the_rotations_around_it(dtype, markers):
+    """q's RoPE and the output's inverse RoPE go into the op (rope_mode 3): no rotation chain (stack / unflatten)
+    is left, and the result is bit-equal to eager's rotations around the op without them; stage markers keep their
+    place (the exit marker now marks the op's result)."""
+    args = rope_inputs(dtype)
+    was = stages.enabled()
+    stages.enabled(markers)
+    try:
+        m = Fn(rope_attention, markers=markers)
+        out, mgr, _, after = run(m, args, "A", 1, strict=True)
+    finally:
+        stages.enabled(was)
+    assert mgr.counts == {"A": 1}
+    targets = call_targets(after)
+    assert not {"stack", "unflatten", "einsum", "cat"} & set(targets), targets
+    call = next(n for n in after.graph.nodes if "sparse_attention" in str(n.target))
+    assert call.kwargs["rope_mode"] == ROPE_Q | ROPE_OUT
+    assert sum("stage_mark" in t for t in targets) == (2 if markers else 0)
+    q_raw, wkv, widx, ckv, cidx, sink, table, pos = args
+    cos, sin = rope_cos_sin_lookup(pos, table)
+    unfused = sparse_attention(apply_rope(q_raw, cos, sin), wkv, widx, ckv, cidx, sink, 0.125)
+    assert torch.equal(out, apply_rope(unfused, cos, sin, inverse=True))
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, m(*args), rtol=1e-5, atol=1e-5)
+    if not markers and dtype == torch.float32:
+        assert_expected_inline(graph_text(after), """\
+class GraphModule(torch.nn.Module):
+    def forward(self, L_args_0_: "f32[5, 4, 32]", L_args_1_: "f32[12, 32]", L_args_2_: "i64[5, 4]", L_args_3_: "f32[6, 32]", L_args_4_: "i64[5, 3]", L_args_5_: "f32[4]", L_args_6_: "f32[40, 4, 2]", L_args_7_: "i64[5]"):
+        l_args_0_ = L_args_0_
+        l_args_1_ = L_args_1_
+        l_args_2_ = L_args_2_
+        l_args_3_ = L_args_3_
+        l_args_4_ = L_args_4_
+        l_args_5_ = L_args_5_
+        l_args_6_ = L_args_6_
+        l_args_7_ = L_args_7_
+        cs: "f32[5, 4, 2]" = l_args_6_[l_args_7_];  l_args_6_ = l_args_7_ = None
+        cos: "f32[5, 4]" = cs[(Ellipsis, 0)]
+        sin: "f32[5, 4]" = cs[(Ellipsis, 1)];  cs = None
+        sparse_attention: "f32[5, 4, 32]" = minidi_ops_sparse_attention_sparse_attention(l_args_0_, l_args_1_, l_args_2_, l_args_3_, l_args_4_, l_args_5_, 0.125, backend = 'auto', rope_cos = cos, rope_sin = sin, rope_mode = 3);  l_args_0_ = l_args_1_ = l_args_2_ = l_args_3_ = l_args_4_ = l_args_5_ = cos = sin = None
+        return (sparse_attention,)
+""")
+
+
+def test_sparse_attention_keeps_a_rotation_another_reader_needs():
+    """The unrotated output is read elsewhere: the output's rotation stays in the graph (q's is still folded)."""
+    args = rope_inputs(torch.float32)
+    m = Fn(rope_attention, out_reader=True)
+    (r, o), mgr, _, after = run(m, args, "A", 1, strict=True)
+    call = next(n for n in after.graph.nodes if "sparse_attention" in str(n.target))
+    assert call.kwargs["rope_mode"] == ROPE_Q
+    assert sum(t.endswith("stack") for t in call_targets(after)) == 1
+    want_r, want_o = m(*args)
+    torch.testing.assert_close(o, want_o, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(r, want_r, rtol=1e-5, atol=1e-5)
 
 
 def test_sparse_attention_lookalike_gather_not_feeding_attention():
