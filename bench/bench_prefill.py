@@ -482,11 +482,14 @@ def _run(args: argparse.Namespace, world: int, rank: int, modes: list[str], out_
         if args.context:
             common.say(f"\n== context point {i + 1}/{len(args.points)}: {point:,} cached + "
                        f"{args.prefill_batch_size:,} new tokens per sequence")
+        sizes = {"new_tokens": args.prefill_batch_size, "cached_tokens": point, "seqs": args.seqs,
+                 "pool_factor": args.pool_factor}
         try:
+            if args.context and point + args.prefill_batch_size > cfg.max_position_embeddings:  # (else: exits)
+                raise PositionsExceeded(f"cached {point} + new {args.prefill_batch_size} tokens exceed "
+                               f"max_position_embeddings {cfg.max_position_embeddings} of {cfg.name}")
             wl = _build_workload(model, point, args, phase)
-        except torch.OutOfMemoryError as e:  # recorded for every mode of this point; the next point still runs
-            sizes = {"new_tokens": args.prefill_batch_size, "cached_tokens": point, "seqs": args.seqs,
-                     "pool_factor": args.pool_factor}
+        except (torch.OutOfMemoryError, PositionsExceeded) as e:  # a line for each mode; the next point still runs
             for mode in modes:
                 res = failed_mode(mode, cfg, sizes, args, card, e, where="build workload")
                 common.say(f"[{mode}] FAILED: {res['error']} (building the workload)")
@@ -521,6 +524,11 @@ def _run(args: argparse.Namespace, world: int, rank: int, modes: list[str], out_
     if world > 1:
         torch.distributed.destroy_process_group()
     return results
+
+
+class PositionsExceeded(ValueError):
+    """A --context point longer than the model's positions: its line records it and the sweep goes on (a single
+    --cached_tokens point exits, as ``build_workload`` does)."""
 
 
 def _build_workload(model, cached: int, args, phase: common.Phases):

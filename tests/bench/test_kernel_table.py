@@ -345,3 +345,19 @@ def test_format_leaves_unknowns_empty():
     assert copy[0] == "aten::copy_" and len(copy) == 7  # name, calls, ms, %, MB, GB/s, % peak
     assert cat == ["aten::cat", "0.5", "0.0250", "3.12"]  # nothing else known
     assert "top 3 of 6 kernels" in lines[1] and "0.01 TFLOP/s" in lines[-1]
+
+
+def test_inductor_launch_record_carries_its_byte_count(tmp_path):
+    """Inductor opens a ``_RecordFunctionFast`` record named after each Triton kernel around its launch, with
+    ``kernel_num_gb`` among its kwargs when ``benchmark_kernel`` was set at compile time: the exported trace keeps
+    it as ``args.kernel_num_gb``, and the record's row gets those bytes (here on the CPU, without a launch)."""
+    x = torch.randn(64, 128)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
+        with torch.profiler.record_function("minidi/step"):
+            with torch._C._profiler._RecordFunctionFast("triton_poi_fused_add_0", (x,), {
+                    "kernel_num_gb": 0.25, "kernel_backend": "triton"}):
+                pass
+    path = tmp_path / "trace.json"
+    prof.export_chrome_trace(str(path))
+    (row,) = [r for r in kernel_table(load_trace(path), top=10).rows if r["name"] == "triton_poi_fused_add_0"]
+    assert row["bytes_per_step"] == 250_000_000 and row["gbps"] > 0
