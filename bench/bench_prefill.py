@@ -73,7 +73,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="cached prefix per sequence (default 126976 full-size, 192 tiny; 0 = none)")
     ap.add_argument("--context", default=None, metavar="P1,P2,...",
                     help="a sweep instead of --cached_tokens: one run per cached-prefix length (e.g. 16384,65536,"
-                         "131072,524288,1048576), same new tokens, one JSON line per point and mode, and a plot")
+                         "131072,524288,1044480: cached + new <= the model's 1M positions), same new tokens, one JSON "
+                         "line per point and mode, and a plot")
     ap.add_argument("--pool_factor", type=int, default=1,
                     help="cache pools N times the positions the step needs (a step's cost must not grow with them)")
     ap.add_argument("--seqs", type=int, default=1, help="sequences per step (each with its own cached prefix)")
@@ -232,9 +233,10 @@ def compile_record(step) -> dict:
 
 def _compile_settings(mode: str, args):
     """``--inductor_bytes`` in a compiled mode: Inductor records its own bytes per Triton kernel (``kernel_num_gb`` in
-    the kernel's launch record, from the compile's size hints). ``benchmark_kernel`` only appends a benchmark harness
-    to each kernel module and that metadata (the kernels' code is unchanged); the FX graph cache is off so that no
-    graph compiled at other sizes (another --context point) is served with stale byte counts."""
+    the kernel's launch record, from the compile's size hints). Read from torch 2.13's source, ``benchmark_kernel``
+    only appends a benchmark harness to each kernel module and that metadata, not the kernels' code (not verified on
+    a GPU: docs/prefill_benchmark.md); the FX graph cache is off so that no graph compiled at other sizes (another
+    --context point) is served with stale byte counts."""
     if not args.inductor_bytes or mode == "eager":
         return contextlib.nullcontext()
     return torch._inductor.config.patch(benchmark_kernel=True, fx_graph_cache=False, fx_graph_remote_cache=False)
@@ -487,7 +489,7 @@ def _run(args: argparse.Namespace, world: int, rank: int, modes: list[str], out_
         try:
             if args.context and point + args.prefill_batch_size > cfg.max_position_embeddings:  # (else: exits)
                 raise PositionsExceeded(f"cached {point} + new {args.prefill_batch_size} tokens exceed "
-                               f"max_position_embeddings {cfg.max_position_embeddings} of {cfg.name}")
+                                        f"max_position_embeddings {cfg.max_position_embeddings} of {cfg.name}")
             wl = _build_workload(model, point, args, phase)
         except (torch.OutOfMemoryError, PositionsExceeded) as e:  # a line for each mode; the next point still runs
             for mode in modes:
