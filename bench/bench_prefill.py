@@ -16,6 +16,11 @@ one kind share a graph; ``model`` compiles the whole step as one graph).
 (``minidi/runtime/compile_cache.py``); the JSON line records ``cache`` (hit | miss), the entry's size and the first
 step's split by phase (``compile_s``).
 
+``--kernels N`` adds the top N kernels of the same profile (``kernel_table.py``: calls, ms and % of the step, FLOPs or
+bytes per step, TFLOP/s or GB/s and % of the measured peak where the work is known). ``--context 16384,65536,...``
+runs the benchmark once per cached-prefix length (same new tokens; one model, one workload at a time) and plots
+ms/step against context beside the FLOP count (``plot_stages.py``).
+
 Prints a card, a result table per mode and the stage table; the last line is one JSON object per mode (appended to
 ``--result_jsonl``); a Chrome trace (``.trace.json.gz``) and a PNG of the stage table go to ``--out_dir``.
 """
@@ -23,14 +28,19 @@ Prints a card, a result table per mode and the stage table; the last line is one
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import gzip
+import json
 import logging
 import os
 import shutil
 import statistics
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch._inductor.config
 
 import minidi
 from minidi.model import stages
@@ -40,10 +50,11 @@ from minidi.runtime.engine import dynamic_shape_config
 from minidi.runtime.flops import mfu, step_flops
 
 if __package__:  # imported as bench.bench_prefill: python -m bench.bench_prefill, the tests
-    from . import common, expert_loads, prefill_stages, prefill_workload
+    from . import common, expert_loads, kernel_table, prefill_stages, prefill_workload
 else:  # run as a script (python / torchrun bench/bench_prefill.py): the script's folder is sys.path[0]
     import common
     import expert_loads
+    import kernel_table
     import prefill_stages
     import prefill_workload
 
@@ -60,6 +71,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="new tokens per sequence per step (default 4096 full-size, 64 tiny)")
     ap.add_argument("--cached_tokens", type=int, default=None,
                     help="cached prefix per sequence (default 126976 full-size, 192 tiny; 0 = none)")
+    ap.add_argument("--context", default=None, metavar="P1,P2,...",
+                    help="a sweep instead of --cached_tokens: one run per cached-prefix length (e.g. 16384,65536,"
+                         "131072,524288,1044480: cached + new <= the model's 1M positions), same new tokens, one JSON "
+                         "line per point and mode, and a plot")
     ap.add_argument("--pool_factor", type=int, default=1,
                     help="cache pools N times the positions the step needs (a step's cost must not grow with them)")
     ap.add_argument("--seqs", type=int, default=1, help="sequences per step (each with its own cached prefix)")
@@ -93,6 +108,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="profiled steps of the stage table, its median per stage (default 2 on a GPU, 5 on the "
                          "CPU; 0 = no profile / stage table)")
     ap.add_argument("--no_stage_markers", action="store_true", help="time without the stage markers (no table)")
+    ap.add_argument("--kernels", type=int, default=0, metavar="N",
+                    help="the top N kernels of the profile (calls, ms, FLOPs / bytes, rate, %% of peak; 25 is a good "
+                         "size; 0 = off). Records shapes and FLOPs in the profile (the profiler's cost grows)")
+    ap.add_argument("--inductor_bytes", action="store_true",
+                    help="with --kernels, compiled modes: Inductor's own bytes per Triton kernel (compiles with "
+                         "torch._inductor.config.benchmark_kernel, FX graph cache off, recompiled per --context point)")
     ap.add_argument("--no_cuda_graph", action="store_true",
                     help="accepted for the reference command; minidi never captures CUDA graphs for prefill")
     ap.add_argument("--expert_loads", action="store_true",
@@ -108,14 +129,27 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 STAGE_SUM_TOLERANCE = 0.10  # the stage table's sum should be within 10 % of the timed step; the card says why if not
 
 
-def profile_steps(step, wl, n: int, device: str, trace_path: Path) -> tuple[dict, float | None, list[float]]:
-    """Profile ``n`` steps; returns the stage table (per category, the median over the profiled steps: one stalled
-    step does not move it), the GPU busy ms per step (CUDA) and each profiled step's stage sum (ms)."""
+@dataclass
+class Profile:
+    """What ``profile_steps`` measured: the stage table (per category, the median over the profiled steps; empty
+    without stage markers), GPU busy ms per step (CUDA), each profiled step's stage sum (ms) and the kernel table."""
+
+    stages: dict[str, float]
+    gpu_busy_ms: float | None
+    step_sums: list[float]
+    kernels: kernel_table.KernelTable | None
+
+
+def profile_steps(step, wl, n: int, device: str, trace_path: Path, kernels: int = 0, peaks: dict | None = None,
+                  markers: bool = True) -> Profile:
+    """Profile ``n`` steps into one trace (written gzipped to ``trace_path``); from it the stage table (one stalled
+    step does not move its medians) and, with ``kernels`` > 0, the top ``kernels`` kernels (shapes and FLOPs are
+    recorded then: ``kernel_table.py``; the trace keeps the profiler's FLOPs as ``args.flops``)."""
     acts = [torch.profiler.ProfilerActivity.CPU]
     if common.is_cuda(device):
         acts.append(torch.profiler.ProfilerActivity.CUDA)
     ticker = common.Ticker("profiled steps", n)
-    with torch.profiler.profile(activities=acts) as prof:
+    with torch.profiler.profile(activities=acts, record_shapes=kernels > 0, with_flops=kernels > 0) as prof:
         for _ in range(n):
             with torch.profiler.record_function(prefill_stages.STEP_RANGE):
                 step(wl.meta, wl.cache.tensors)
@@ -123,14 +157,23 @@ def profile_steps(step, wl, n: int, device: str, trace_path: Path) -> tuple[dict
             ticker.tick()
     raw = trace_path.with_suffix("")  # .trace.json
     prof.export_chrome_trace(str(raw))
+    trace = json.loads(raw.read_text())
+    if kernels:
+        kernel_table.annotate_flops(trace["traceEvents"], kernel_table.profiler_flops(prof))
+    events = prefill_stages.load_events(trace)
     cuda = common.is_cuda(device)
-    per_step = prefill_stages.stage_ms_each_step(raw, cuda=cuda)
-    table = prefill_stages.median_table(per_step)
-    busy = prefill_stages.gpu_busy_ms_per_step(raw, n) if cuda else None
-    with open(raw, "rb") as f, gzip.open(trace_path, "wb") as g:
-        shutil.copyfileobj(f, g)
+    per_step = prefill_stages.stage_ms_each_step(events, cuda=cuda) if markers else []
+    table = prefill_stages.median_table(per_step) if per_step else {}
+    busy = prefill_stages.gpu_busy_ms_per_step(events, n) if cuda else None
+    kt = kernel_table.kernel_table(events, kernels, peaks, cuda=cuda) if kernels else None
+    if kernels:  # the annotated trace
+        with gzip.open(trace_path, "wt") as g:
+            json.dump(trace, g)
+    else:
+        with open(raw, "rb") as f, gzip.open(trace_path, "wb") as g:
+            shutil.copyfileobj(f, g)
     raw.unlink()
-    return table, busy, [sum(t.values()) for t in per_step]
+    return Profile(table, busy, [sum(t.values()) for t in per_step], kt)
 
 
 def stage_sum_note(stage_sum: float, times: list[float], cuda: bool) -> str | None:
@@ -188,14 +231,36 @@ def compile_record(step) -> dict:
             "compile_cache": cc.summary() if cc else None}
 
 
-def run_mode(mode: str, wl, args, card: dict, out_dir: Path) -> dict:
+def _compile_settings(mode: str, args):
+    """``--inductor_bytes`` in a compiled mode: Inductor records its own bytes per Triton kernel (``kernel_num_gb`` in
+    the kernel's launch record, from the compile's size hints). Read from torch 2.13's source, ``benchmark_kernel``
+    only appends a benchmark harness to each kernel module and that metadata, not the kernels' code (not verified on
+    a GPU: docs/prefill_benchmark.md); the FX graph cache is off so that no graph compiled at other sizes (another
+    --context point) is served with stale byte counts."""
+    if not args.inductor_bytes or mode == "eager":
+        return contextlib.nullcontext()
+    return torch._inductor.config.patch(benchmark_kernel=True, fx_graph_cache=False, fx_graph_remote_cache=False)
+
+
+def run_mode(mode: str, wl, args, card: dict, out_dir: Path, held: dict | None = None) -> dict:
+    """One mode on one workload. ``held``: the last mode's step (``{"mode", "step"}``), reused when this mode is the
+    same (a --context sweep compiles once; Dynamo recompiles by itself where a new size needs it) and replaced
+    otherwise."""
     cfg, device = wl.model.cfg, args.device
     phase = common.Phases(f"[{mode}] ")
     run = lambda: step(wl.meta, wl.cache.tensors)  # noqa: E731
-    with phase("make step", announce=False):  # compiling is lazy: the first step compiles
-        step = make_step(wl.model, mode, args)
-    with torch.no_grad(), dynamic_shape_config():
-        with phase("first step" + (" (compiles)" if mode != "eager" else "")) as first:
+    reused = held is not None and held.get("mode") == mode
+    if reused:
+        step = held["step"]
+    else:
+        if held is not None:
+            held.clear()  # make_step undoes the compile of the step held
+        with phase("make step", announce=False):  # compiling is lazy: the first step compiles
+            step = make_step(wl.model, mode, args)
+        if held is not None and not args.inductor_bytes:  # Inductor's byte counts hold at the compile's sizes only
+            held.update(mode=mode, step=step)
+    with torch.no_grad(), dynamic_shape_config(), _compile_settings(mode, args):
+        with phase("first step" + (" (compiles)" if mode != "eager" and not reused else "")) as first:
             logits = run()
             common.sync(device)
         if args.warmup > 1:
@@ -207,57 +272,70 @@ def run_mode(mode: str, wl, args, card: dict, out_dir: Path) -> dict:
                     ticker.tick()
         with phase(f"timing ({args.steps} steps)"):
             times = common.step_times_ms(run, args.steps, device, common.Ticker(f"[{mode}] timed steps", args.steps))
-        tag = f"{cfg.name}_{mode}_ep{cfg.ep_size}"
-        stage_table, busy, trace, step_sums = {}, None, None, []
-        if args.profile_steps and not args.no_stage_markers:
+        tag = f"{cfg.name}_{mode}_ep{cfg.ep_size}" + (f"_ctx{wl.cached_tokens}" if args.context else "")
+        prof, trace = Profile({}, None, [], None), None
+        if args.profile_steps and (not args.no_stage_markers or args.kernels):
             trace = out_dir / f"{tag}.trace.json.gz"
             with phase(f"profile ({args.profile_steps} steps)"):
-                stage_table, busy, step_sums = profile_steps(step, wl, args.profile_steps, device, trace)
+                prof = profile_steps(step, wl, args.profile_steps, device, trace, args.kernels, card["peaks"],
+                                     markers=not args.no_stage_markers)
     ms = sum(times) / len(times)
     tokens = wl.new_tokens * wl.seqs
     flops = step_flops(cfg, wl.new_tokens, wl.cached_tokens, wl.seqs)["total"]
+    stage_table = prof.stages
     res = {
-        **_what_ran(mode, wl, args, card),
+        **_what_ran(mode, cfg, _sizes(wl), args, card),
         "ep_emulated": cfg.ep_size > 1 and int(os.environ.get("WORLD_SIZE", "1")) == 1,
         "compile_scope": args.compile_scope if mode != "eager" else None, "warmup": args.warmup,
         "ms_per_step": round(ms, 3),
         "ms_per_step_median": round(statistics.median(times), 3), "ms_per_step_min": round(min(times), 3),
         "input_tok_per_s_per_gpu": round(tokens / ms * 1e3, 1),
         "mfu": round(mfu(flops, ms, card["peaks"]["bf16_tflops"]), 4), "tflop_per_step": round(flops / 1e12, 3),
-        "stages_ms": {k: round(v, 3) for k, v in stage_table.items()}, "gpu_busy_ms": busy and round(busy, 3),
-        "profile_steps": args.profile_steps, "profiled_step_sums_ms": [round(v, 3) for v in step_sums],
-        "pass_matches": pass_matches(step), "first_step_s": round(first.seconds, 1),
-        **compile_record(step), "logits_finite":
-        bool(torch.isfinite(logits).all()), "stage_markers": not args.no_stage_markers, "cuda_graph": False,
-        "trace": trace.name if trace else None, "phases_s": {k: round(v, 1) for k, v in phase.seconds.items()},
+        "flop_per_step": flops,
+        "stages_ms": {k: round(v, 3) for k, v in stage_table.items()},
+        "gpu_busy_ms": prof.gpu_busy_ms and round(prof.gpu_busy_ms, 3),
+        "profile_steps": args.profile_steps, "profiled_step_sums_ms": [round(v, 3) for v in prof.step_sums],
+        "pass_matches": pass_matches(step), "first_step_s": round(first.seconds, 1), "step_reused": reused,
+        **(compile_record(step) if not reused else {"compile_s": None, "cache": None, "compile_cache": None}),
+        "logits_finite": bool(torch.isfinite(logits).all()), "stage_markers": not args.no_stage_markers,
+        "cuda_graph": False, "trace": trace.name if trace else None,
+        "phases_s": {k: round(v, 1) for k, v in phase.seconds.items()},
     }
+    if prof.kernels is not None:
+        res["kernels"] = prof.kernels.rows
+        res["kernels_summary"] = {**prof.kernels.summary(), "inductor_bytes": bool(args.inductor_bytes)}
     if stage_table:
         res["stage_sum_note"] = stage_sum_note(sum(stage_table.values()), times, common.is_cuda(device))
-        res["png"] = _plot(stage_table, f"{cfg.name} {mode} EP{cfg.ep_size}: {ms:.1f} ms/step", out_dir / f"{tag}.png")
+        res["png"] = _plot(stage_table, f"{cfg.name} {mode} EP{cfg.ep_size} {wl.cached_tokens:,} cached: "
+                           f"{ms:.1f} ms/step", out_dir / f"{tag}.png")
     return res
 
 
-def failed_mode(mode: str, wl, args, card: dict, error: BaseException) -> dict:
-    """The JSON line of a mode that could not run (out of memory): what was asked, the error, the memory peak."""
+def failed_mode(mode: str, cfg, sizes: dict, args, card: dict, error: BaseException, where: str = "step") -> dict:
+    """The JSON line of a mode that could not run (out of memory in its steps, or in building the point's workload:
+    ``failed_in``): what was asked, the error, the memory peak."""
     peak = None
     if common.is_cuda(args.device):
         peak = round(torch.cuda.max_memory_allocated() / 2**30, 1)
         torch.cuda.empty_cache()
     first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     return {
-        **_what_ran(mode, wl, args, card), "ms_per_step": None, "input_tok_per_s_per_gpu": None, "mfu": None,
-        "stages_ms": {}, "pass_matches": None, "error": f"{type(error).__name__}: {first}",
+        **_what_ran(mode, cfg, sizes, args, card), "ms_per_step": None, "input_tok_per_s_per_gpu": None, "mfu": None,
+        "stages_ms": {}, "pass_matches": None, "error": f"{type(error).__name__}: {first}", "failed_in": where,
         "max_memory_allocated_gib": peak,
     }
 
 
-def _what_ran(mode: str, wl, args, card: dict) -> dict:
-    """The fields every result line has, run or failed: model, mode, passes, EP, workload, and the card."""
-    cfg = wl.model.cfg
+def _sizes(wl) -> dict:
+    return {"new_tokens": wl.new_tokens, "cached_tokens": wl.cached_tokens, "seqs": wl.seqs,
+            "pool_factor": wl.pool_factor}
+
+
+def _what_ran(mode: str, cfg, sizes: dict, args, card: dict) -> dict:
+    """The fields every result line has, run or failed: model, mode, passes, EP, workload sizes, and the card."""
     return {
         "model": cfg.name, "arch": cfg.arch, "mode": mode, "passes": args.passes if mode == "passes" else "none",
-        "ep": cfg.ep_size, "new_tokens": wl.new_tokens, "cached_tokens": wl.cached_tokens, "seqs": wl.seqs,
-        "pool_factor": wl.pool_factor,
+        "ep": cfg.ep_size, **sizes,
         "steps": args.steps, "faithful_rounding": None if mode == "eager" else ROUNDING[args.faithful_rounding],
         **{k: card[k] for k in ("device", "dtype", "torch", "peaks", "shared_experts", "engram_table_rows", "gate_bias",
                                   "ptxas", "fp4_tiles")},
@@ -277,6 +355,20 @@ def _plot(table: dict, title: str, path: Path) -> str | None:
         return None
 
 
+def _plot_context(lines: list[dict], title: str, path: Path) -> str | None:
+    try:
+        if __package__:
+            from .plot_stages import plot_context
+        else:
+            from plot_stages import plot_context
+
+        return str(plot_context(lines, title, path))
+    except ImportError as e:
+        common.say(f"(no context PNG: {e}; run `python bench/plot_stages.py RESULTS.jsonl --context` where "
+                   "matplotlib is installed)")
+        return None
+
+
 def fp4_default_tiles(device: str) -> dict[str, str] | None:
     """The FP4 expert GEMM's default tile per regime (mean rows per expert 256 / 64: EP4- / EP1-like), on a GPU."""
     if not common.is_cuda(device):
@@ -289,12 +381,31 @@ def fp4_default_tiles(device: str) -> dict[str, str] | None:
 # ---- main ----------------------------------------------------------------------------------------------------------
 def resolve_sizes(args: argparse.Namespace) -> None:
     """Fill the workload defaults: full-size presets 4,096 new + 126,976 cached tokens, tiny ones 64 + 192. An explicit
-    value is kept, 0 included (``--cached_tokens 0``: a prefill with no cached prefix)."""
+    value is kept, 0 included (``--cached_tokens 0``: a prefill with no cached prefix). ``--context`` becomes the list
+    of its points (``args.context``; None without a sweep) and ``args.points`` the cached lengths to run."""
     full = args.model in prefill_workload.FULL_SIZE
     if args.prefill_batch_size is None:
         args.prefill_batch_size = 4096 if full else 64
-    if args.cached_tokens is None:
+    if args.context is not None:
+        if args.cached_tokens is not None:
+            raise SystemExit("--context is a sweep of cached-prefix lengths; it replaces --cached_tokens: give one")
+        try:
+            points = [int(p.strip().replace("_", "")) for p in args.context.split(",") if p.strip()]
+        except ValueError:
+            raise SystemExit(f"--context takes a comma list of token counts (e.g. 16384,65536), got {args.context!r}")
+        if not points or any(p < 0 for p in points) or len(set(points)) != len(points):
+            raise SystemExit(f"--context needs distinct token counts >= 0, got {args.context!r}")
+        args.context = points
+    elif args.cached_tokens is None:
         args.cached_tokens = 126_976 if full else 192
+    args.points = args.context or [args.cached_tokens]
+    if args.kernels < 0:
+        raise SystemExit(f"--kernels N: the top N kernels (0 = off), got {args.kernels}")
+    if args.inductor_bytes and not args.kernels:
+        raise SystemExit("--inductor_bytes feeds the kernel table: add --kernels N")
+    if args.inductor_bytes and args.compile_cache:
+        raise SystemExit("--inductor_bytes needs fresh compiles (byte counts are fixed at the compile's sizes): "
+                         "drop --compile_cache")
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -316,6 +427,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     resolve_sizes(args)
     if args.profile_steps is None:
         args.profile_steps = 2 if common.is_cuda(args.device) else 5
+    if args.kernels and not args.profile_steps:
+        raise SystemExit("--kernels reads the profile: --profile_steps must be >= 1")
     modes = (args.modes or ("eager,compile,passes" if common.is_cuda(args.device) else "eager")).split(",")
     if bad := [m for m in modes if m not in MODES]:
         raise SystemExit(f"unknown mode(s) {bad}; choose from {MODES}")
@@ -338,11 +451,7 @@ def _run(args: argparse.Namespace, world: int, rank: int, modes: list[str], out_
                                              args.engram_table_rows, args.seed, notes, world=world, rank=rank,
                                              gate_bias=args.gate_bias)
         common.sync(args.device)
-    with phase("build workload"):
-        wl = prefill_workload.build_workload(model, args.prefill_batch_size, args.cached_tokens, args.seqs, args.seed,
-                                             notes, pool_factor=args.pool_factor)
-        common.sync(args.device)
-    with phase("measure peaks"):
+    with phase("measure peaks"):  # before any workload: at 1M context the cache leaves little room
         peaks = common.measure_peaks(args.device)
     cfg = model.cfg
     card = {
@@ -351,12 +460,12 @@ def _run(args: argparse.Namespace, world: int, rank: int, modes: list[str], out_
         "gate_bias": (args.gate_bias or "zero") if args.model in prefill_workload.FULL_SIZE else "checkpoint",
         "ptxas": ".".join(map(str, ptxas_version() or ())) or None, "fp4_tiles": fp4_default_tiles(args.device),
     }
-    mem = f", {torch.cuda.memory_allocated() / 2**30:.1f} GiB allocated" if common.is_cuda(args.device) else ""
     common.say(f"\nminidi prefill | {card['device']} ({args.device}) | peaks: {peaks['bf16_tflops']} TFLOP/s bf16 "
                f"matmul, {peaks['copy_gbps']} GB/s copy (measured now) | torch {torch.__version__}")
+    cached = " | ".join(f"{p:,}" for p in args.points)
     common.say(f"model {cfg.name} ({cfg.arch}, {cfg.n_layers} layers, dim {cfg.dim}, {cfg.n_routed_experts} experts, "
-               f"EP{cfg.ep_size}) | {cfg.dtype}, fake_quant {cfg.fake_quant} | {wl.seqs} x ({wl.cached_tokens:,} "
-               f"cached + {wl.new_tokens:,} new) tokens{mem}")
+               f"EP{cfg.ep_size}) | {cfg.dtype}, fake_quant {cfg.fake_quant} | {args.seqs} x ({cached} cached + "
+               f"{args.prefill_batch_size:,} new) tokens")
     if card["fp4_tiles"]:
         common.say(f"  note: ptxas {card['ptxas']}: FP4 expert GEMM default tiles "
                    + ", ".join(f"{k.replace('_', ' ')}: {v}" for k, v in card["fp4_tiles"].items()))
@@ -366,37 +475,96 @@ def _run(args: argparse.Namespace, world: int, rank: int, modes: list[str], out_
         common.say("  note: stage markers on (profiler ranges kept through torch.compile; --no_stage_markers to drop "
                    "them)")
 
-    results = []
-    for mode in modes:
-        common.say()
+    results, lines, held, wl = [], [], {}, None
+    for i, point in enumerate(args.points):
+        wl = None  # free the last point's cache before building the next (at 1M context memory matters)
+        gc.collect()
+        if common.is_cuda(args.device):
+            torch.cuda.empty_cache()
+        if args.context:
+            common.say(f"\n== context point {i + 1}/{len(args.points)}: {point:,} cached + "
+                       f"{args.prefill_batch_size:,} new tokens per sequence")
+        sizes = {"new_tokens": args.prefill_batch_size, "cached_tokens": point, "seqs": args.seqs,
+                 "pool_factor": args.pool_factor}
         try:
-            res = run_mode(mode, wl, args, card, out_dir)
-        except torch.OutOfMemoryError as e:  # recorded, and the next mode still runs
-            res = failed_mode(mode, wl, args, card, e)
-        if res.get("error"):
-            common.say(f"[{mode}] FAILED: {res['error']}")
-            common.emit_json(res, jsonl=args.result_jsonl)
+            if args.context and point + args.prefill_batch_size > cfg.max_position_embeddings:  # (else: exits)
+                raise PositionsExceeded(f"cached {point} + new {args.prefill_batch_size} tokens exceed "
+                                        f"max_position_embeddings {cfg.max_position_embeddings} of {cfg.name}")
+            wl = _build_workload(model, point, args, phase)
+        except (torch.OutOfMemoryError, PositionsExceeded) as e:  # a line for each mode; the next point still runs
+            for mode in modes:
+                res = failed_mode(mode, cfg, sizes, args, card, e, where="build workload")
+                common.say(f"[{mode}] FAILED: {res['error']} (building the workload)")
+                lines.append(res)
+                common.emit_json(res, jsonl=args.result_jsonl)
             continue
-        results.append(res)
-        common.say(f"[{mode}] {res['ms_per_step']:.2f} ms/step (median {res['ms_per_step_median']:.2f}) | "
-                   f"{res['input_tok_per_s_per_gpu']:,.0f} input tok/s/GPU | MFU {100 * res['mfu']:.1f}% of the "
-                   f"measured peak | {res['tflop_per_step']} TFLOP/step | first step {res['first_step_s']}s"
-                   + (f" (compile cache {res['cache']})" if res["cache"] else "")
-                   + (f" | pass matches {res['pass_matches']}" if res["pass_matches"] else ""))
-        if res["stages_ms"]:
-            common.say(f"stages, median over {args.profile_steps} profiled steps (their sums: "
-                       f"{', '.join(f'{v:.2f}' for v in res['profiled_step_sums_ms'])} ms):")
-            common.say(prefill_stages.format_stage_table(res["stages_ms"], gpu_busy_ms=res["gpu_busy_ms"],
-                       wall_ms=res["ms_per_step_median"]))
-            if res["stage_sum_note"]:
-                common.say(f"  note: {res['stage_sum_note']}")
-        res["speedup_vs"] = {r["mode"]: round(r["ms_per_step"] / res["ms_per_step"], 3) for r in results[:-1]}
-        common.emit_json(res, jsonl=args.result_jsonl)  # as soon as the mode is done: a later one may run out of time
-    if args.expert_loads:
+        point_results: list[dict] = []
+        for mode in modes:
+            common.say()
+            try:
+                res = run_mode(mode, wl, args, card, out_dir, held)
+            except torch.OutOfMemoryError as e:  # recorded, and the next mode still runs
+                res = failed_mode(mode, cfg, _sizes(wl), args, card, e)
+            lines.append(res)
+            if res.get("error"):
+                common.say(f"[{mode}] FAILED: {res['error']}")
+                common.emit_json(res, jsonl=args.result_jsonl)
+                continue
+            results.append(res)
+            point_results.append(res)
+            _report_mode(res, args)
+            res["speedup_vs"] = {r["mode"]: round(r["ms_per_step"] / res["ms_per_step"], 3)
+                                 for r in point_results[:-1]}
+            common.emit_json(res, jsonl=args.result_jsonl)  # as soon as the mode is done: a later one may run out
+    if args.context and len(args.points) > 1:
+        png = _plot_context(lines, f"{cfg.name} EP{cfg.ep_size}, {args.prefill_batch_size:,} new tokens",
+                            out_dir / f"{cfg.name}_ep{cfg.ep_size}_context.png")
+        if png:
+            common.say(f"\ncontext plot: {png}")
+    if args.expert_loads and wl is not None:
         _report_expert_loads(wl, args, world, out_dir)
     if world > 1:
         torch.distributed.destroy_process_group()
     return results
+
+
+class PositionsExceeded(ValueError):
+    """A --context point longer than the model's positions: its line records it and the sweep goes on (a single
+    --cached_tokens point exits, as ``build_workload`` does)."""
+
+
+def _build_workload(model, cached: int, args, phase: common.Phases):
+    """One point's workload, its notes and the memory it left allocated printed."""
+    notes: list[str] = []
+    with phase(f"build workload ({cached:,} cached)" if args.context else "build workload"):
+        wl = prefill_workload.build_workload(model, args.prefill_batch_size, cached, args.seqs, args.seed, notes,
+                                             pool_factor=args.pool_factor)
+        common.sync(args.device)
+    if common.is_cuda(args.device):
+        common.say(f"  {torch.cuda.memory_allocated() / 2**30:.1f} GiB allocated (model + cache)")
+    for n in notes:
+        common.say(f"  note: {n}")
+    return wl
+
+
+def _report_mode(res: dict, args) -> None:
+    """A mode's result lines: speed, MFU, compile; the stage table; the kernel table."""
+    mode = res["mode"]
+    common.say(f"[{mode}] {res['ms_per_step']:.2f} ms/step (median {res['ms_per_step_median']:.2f}) | "
+               f"{res['input_tok_per_s_per_gpu']:,.0f} input tok/s/GPU | MFU {100 * res['mfu']:.1f}% of the "
+               f"measured peak | {res['tflop_per_step']} TFLOP/step | first step {res['first_step_s']}s"
+               + ((" (compiled step reused)" if mode != "eager" else " (step reused)") if res["step_reused"] else "")
+               + (f" (compile cache {res['cache']})" if res["cache"] else "")
+               + (f" | pass matches {res['pass_matches']}" if res["pass_matches"] else ""))
+    if res["stages_ms"]:
+        common.say(f"stages, median over {args.profile_steps} profiled steps (their sums: "
+                   f"{', '.join(f'{v:.2f}' for v in res['profiled_step_sums_ms'])} ms):")
+        common.say(prefill_stages.format_stage_table(res["stages_ms"], gpu_busy_ms=res["gpu_busy_ms"],
+                   wall_ms=res["ms_per_step_median"]))
+        if res["stage_sum_note"]:
+            common.say(f"  note: {res['stage_sum_note']}")
+    if "kernels" in res:
+        common.say(kernel_table.format_kernel_table(res["kernels"], res["kernels_summary"], res["peaks"]))
 
 
 def _report_expert_loads(wl, args, world: int, out_dir: Path) -> None:

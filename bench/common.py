@@ -198,11 +198,14 @@ def table_row(table: list[dict], name: str, ms: float, amount: float, unit: str,
     return row
 
 
-def format_table(title: str, table: list[dict]) -> str:
+def format_table(title: str, table: list[dict], name_width: int = 34, width: int = 14) -> str:
+    """``title`` and one line per row: the name column left-aligned in ``name_width``, the others right-aligned in
+    ``width``; a key a row lacks is an empty cell."""
     keys = list(dict.fromkeys(k for r in table for k in r))
-    lines = [f"\n== {title}", "  ".join(f"{k:>14}" if k != "name" else f"{k:<34}" for k in keys)]
+    lines = [f"\n== {title}", "  ".join(f"{k:>{width}}" if k != "name" else f"{k:<{name_width}}" for k in keys)]
     for r in table:
-        lines.append("  ".join(f"{str(r.get(k, '')):>14}" if k != "name" else f"{r[k]:<34}" for k in keys))
+        lines.append("  ".join(f"{str(r.get(k, '')):>{width}}" if k != "name" else f"{r[k]:<{name_width}}"
+                               for k in keys))
     return "\n".join(lines)
 
 

@@ -33,9 +33,9 @@ def markers_off_after():
 
 def run(tmp_path, *extra: str) -> tuple[list[dict], list[dict]]:
     jsonl = tmp_path / "r.jsonl"
+    cached = [] if "--context" in extra else ["--cached_tokens", "64"]
     argv = ["--model", "tiny-v41", "--device", "cpu", "--steps", "1", "--warmup", "1", "--profile_steps", "1",
-            "--cached_tokens", "64", "--prefill_batch_size", "16", "--out_dir", str(tmp_path),
-            "--result_jsonl", str(jsonl), *extra]
+            *cached, "--prefill_batch_size", "16", "--out_dir", str(tmp_path), "--result_jsonl", str(jsonl), *extra]
     results = main(argv)
     lines = [json.loads(line) for line in jsonl.read_text().splitlines()]
     return results, lines
@@ -285,3 +285,103 @@ def test_stage_sum_note():
     assert "profiler's own cost" in stage_sum_note(200.0, [100.0, 101.0], cuda=False)
     assert "range 50.00-150.00 ms" in stage_sum_note(300.0, [50.0, 100.0, 150.0], cuda=False)
     assert "streams" in stage_sum_note(150.0, [100.0], cuda=True)
+
+
+def test_kernel_table_in_the_result_line(tmp_path, capsys):
+    """--kernels 10: the top 10 of the profile's CPU ops by self time in the line (and printed); they are the first 10
+    rows of the table of the saved trace, which keeps the profiler's FLOPs: its mm row has them, its copy row the
+    bytes from the recorded shapes, both with a rate and a % of the measured peak."""
+    from bench.kernel_table import kernel_table, load_trace
+
+    _, lines = run(tmp_path, "--kernels", "10")
+    res = lines[0]
+    rows, summary = res["kernels"], res["kernels_summary"]
+    assert len(rows) == 10 and len({r["name"] for r in rows}) == 10
+    assert [r["ms_per_step"] for r in rows] == sorted((r["ms_per_step"] for r in rows), reverse=True)
+    assert all(r["calls_per_step"] >= 1 and r["calls_per_step"] == int(r["calls_per_step"]) for r in rows)
+    assert all(r["ms_per_step"] > 0 and r["pct_step"] >= 0 for r in rows) and sum(r["pct_step"] for r in rows) <= 100.1
+    assert rows[0]["pct_step"] == pytest.approx(100 * rows[0]["ms_per_step"] / summary["step_ms"], abs=0.01)
+    assert summary["basis"] == "cpu op self time" and summary["steps"] == 1 and summary["inductor_bytes"] is False
+    assert summary["top_ms_per_step"] <= summary["all_ms_per_step"] <= summary["step_ms"] * 1.001
+    for r in rows:  # a rate only where the work is known, and a % of peak with it
+        assert ("tflops" in r) == ("flops_per_step" in r) and ("gbps" in r) == ("bytes_per_step" in r)
+        assert ("pct_peak" in r) == ("tflops" in r or "gbps" in r)
+    full = kernel_table(load_trace(tmp_path / res["trace"]), top=1000, peaks=res["peaks"])
+    assert full.rows[:10] == rows
+    by_name = {r["name"]: r for r in full.rows}
+    mm, copy = by_name["aten::mm"], by_name["aten::copy_"]
+    assert mm["flops_per_step"] > 0 and mm["tflops"] > 0 and mm["pct_peak"] > 0
+    assert copy["bytes_per_step"] > 0 and copy["gbps"] > 0 and copy["pct_peak"] > 0
+    assert "bytes_per_step" not in by_name["aten::cat"]  # a tensor list: not sized from the trace
+    out = capsys.readouterr().out
+    assert f"top 10 of {summary['distinct']} kernels (cpu op self time)" in out
+
+
+def test_context_sweep(tmp_path, monkeypatch):
+    """--context 16,32,48,1020: one line per point with its cached tokens, the same new tokens, its own FLOPs (growing
+    with the context), MFU and stages; the point whose workload runs out of memory, and the one past the model's
+    positions (1020 + 16 > 1024), get a line with the error and the next point still runs; the step is made once and
+    reused; traces per point; the plot of the sweep."""
+    import importlib.util
+
+    import bench.bench_prefill as bp
+    from minidi.runtime.flops import step_flops
+
+    real = bp.prefill_workload.build_workload
+
+    def oom_at_32(model, new, cached, *a, **kw):
+        if cached == 32:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.00 GiB")
+        return real(model, new, cached, *a, **kw)
+
+    monkeypatch.setattr(bp.prefill_workload, "build_workload", oom_at_32)
+    results, lines = run(tmp_path, "--context", "16,32,48,1020")
+    assert [r["cached_tokens"] for r in lines] == [16, 32, 48, 1020]
+    assert [r["cached_tokens"] for r in results] == [16, 48]
+    first, failed, last, too_long = lines
+    assert "exceed max_position_embeddings 1024" in too_long["error"] and too_long["ms_per_step"] is None
+    assert failed["error"].startswith("OutOfMemoryError") and failed["failed_in"] == "build workload"
+    assert failed["ms_per_step"] is None and failed["new_tokens"] == 16 and set(FIELDS) <= set(failed)
+    cfg = build_model("tiny-v41", "cpu", "bfloat16", 1, "auto", None, 0, []).cfg
+    for r in (first, last):
+        assert set(FIELDS) <= set(r) and r["new_tokens"] == 16 and r["mode"] == "eager"
+        assert r["flop_per_step"] == step_flops(cfg, 16, r["cached_tokens"], 1)["total"]
+        assert r["ms_per_step"] > 0 and r["stages_ms"]["moe"] > 0
+        want_mfu = r["flop_per_step"] / (r["ms_per_step"] * 1e-3) / (r["peaks"]["bf16_tflops"] * 1e12)
+        assert r["mfu"] == pytest.approx(want_mfu, abs=1e-4)  # (rounded to 4 decimals: ~0 on a slow CPU)
+        assert (tmp_path / r["trace"]).is_file() and r["trace"].endswith(f"_ctx{r['cached_tokens']}.trace.json.gz")
+    assert last["flop_per_step"] > first["flop_per_step"]  # attention reads more keys
+    assert (first["step_reused"], last["step_reused"]) == (False, True)
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert (tmp_path / "tiny-v41_ep1_context.png").is_file()
+
+
+@pytest.mark.parametrize("extra, match", [
+    (["--context", "16,32", "--cached_tokens", "8"], "replaces --cached_tokens"),
+    (["--context", "16,x"], "comma list"),
+    (["--context", "16,16"], "distinct"),
+    (["--kernels", "-1"], "--kernels"),
+    (["--inductor_bytes"], "add --kernels"),
+    (["--kernels", "5", "--inductor_bytes", "--compile_cache", "cc"], "drop --compile_cache"),
+    (["--kernels", "5", "--profile_steps", "0"], "profile_steps"),
+])
+def test_sweep_and_kernel_flags_are_checked(tmp_path, extra, match):
+    with pytest.raises(SystemExit, match=match):
+        main(["--model", "tiny-v41", "--device", "cpu", "--out_dir", str(tmp_path), *extra])
+
+
+def test_inductor_bytes_compiles_with_inductor_byte_counts():
+    """--inductor_bytes: compiled modes compile with benchmark_kernel (Inductor's kernel_num_gb in each Triton
+    kernel's launch record) and no FX graph cache; eager and the default change nothing."""
+    import argparse
+
+    from bench.bench_prefill import _compile_settings
+
+    cfg = torch._inductor.config
+    before = (cfg.benchmark_kernel, cfg.fx_graph_cache)
+    with _compile_settings("passes", argparse.Namespace(inductor_bytes=True)):
+        assert cfg.benchmark_kernel is True and cfg.fx_graph_cache is False
+    assert (cfg.benchmark_kernel, cfg.fx_graph_cache) == before
+    for mode, on in (("eager", True), ("compile", False)):
+        with _compile_settings(mode, argparse.Namespace(inductor_bytes=on)):
+            assert (cfg.benchmark_kernel, cfg.fx_graph_cache) == before
