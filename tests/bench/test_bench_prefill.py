@@ -279,7 +279,7 @@ def test_phase_lines_and_median_stage_table(eager, capsys):
 
 
 def test_stage_sum_note():
-    from bench.bench_prefill import stage_sum_note
+    from bench.prefill_profile import stage_sum_note
 
     assert stage_sum_note(105.0, [100.0, 101.0], cuda=False) is None
     assert "profiler's own cost" in stage_sum_note(200.0, [100.0, 101.0], cuda=False)
