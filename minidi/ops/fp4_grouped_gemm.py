@@ -53,6 +53,7 @@ from minidi.formats import FP4_BLOCK, dequant_fp4
 
 from .fp4_grouped_gemm_configs import (DECODES, SCALED_EP1, SCALED_EP4, SCALED_SMALL, Fp4GemmConfig,  # noqa: F401
                                        default_config, fallback_chain)
+from ._triton_formats import e8m0_to_fp32
 from ._grouped_tiles import e_pow2, expert_m_tiles, m_tile_rows
 from ._triton_utils import cannot_run, dot, interpreting, num_sms, resolve_backend, triton_can_run
 
@@ -92,9 +93,7 @@ def _decode_e2m1(p, s, BN: tl.constexpr, BK: tl.constexpr, OUT: tl.constexpr):
     c = p.to(tl.int32)
     c = tl.reshape(tl.join(c & 0xF, c >> 4), (BN, BK))  # [BN, BK] codes; element 2i = low nibble
     h = (((c & 7) << 9) | ((c & 8) << 12)).to(tl.int16).to(tl.float16, bitcast=True)  # value * 2^-14, exact
-    sb = s.to(tl.int32)
-    sbits = tl.where(sb == 0, 0x00400000, tl.where(sb == 255, 0x7FC00000, sb << 23))
-    sf = sbits.to(tl.float32, bitcast=True)  # [BN, BK/32] 2^(b-127), NaN for 255
+    sf = e8m0_to_fp32(s)  # [BN, BK/32] 2^(b-127), NaN for 255
     v = tl.reshape(h.to(tl.float32) * 16384.0, (BN, BK // 32, 32)) * sf[:, :, None]
     return tl.reshape(v, (BN, BK)).to(OUT)
 

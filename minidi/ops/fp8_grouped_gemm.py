@@ -31,6 +31,7 @@ import triton.language as tl
 
 from minidi.formats import FP4_BLOCK, dequant_fp4
 
+from ._triton_formats import e8m0_to_fp32
 from ._grouped_tiles import e_pow2, expert_m_tiles, m_tile_rows
 from ._triton_utils import cannot_run, interpreting, num_sms, resolve_backend, triton_can_run
 
@@ -93,14 +94,6 @@ def e2m1_to_e4m3(p, ROWS: tl.constexpr, COLS: tl.constexpr):
     m = c & 7
     byte = tl.where(m >= 2, (m + 12) << 2, tl.where(m == 1, 0x30, 0)) | ((c & 8) << 4)
     return byte.to(tl.uint8).to(tl.float8e4nv, bitcast=True)
-
-
-@triton.jit
-def e8m0_to_fp32(b):
-    """E8M0 codes (any int) -> fp32 2^(b-127); 0 -> 2^-127 (subnormal), 255 -> NaN. Twin of
-    ``minidi.formats.e8m0_to_float``."""
-    b = b.to(tl.int32)
-    return tl.where(b == 0, 0x00400000, tl.where(b == 255, 0x7FC00000, b << 23)).to(tl.float32, bitcast=True)
 
 
 @triton.jit

@@ -23,6 +23,7 @@ import triton.language as tl
 
 from minidi.formats import E4M3_MAX, FQ8_AMAX_FLOOR, fq8_split as fq8_split_ref
 
+from ._triton_formats import pow2_ceil, round_e4m3
 from ._triton_utils import cannot_run, interpreting, resolve_backend, triton_can_run
 
 X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -32,30 +33,16 @@ _AMAX_FLOOR = tl.constexpr(FQ8_AMAX_FLOOR)
 
 
 @triton.jit
-def pow2_ceil(y):
-    """2^ceil(log2(y)) for positive normal fp32 y, from its bits; twin of ``minidi.formats.pow2_ceil``."""
-    bits = y.to(tl.int32, bitcast=True)
-    exp = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
-    return (exp << 23).to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def e4m3_bits(v):
-    """fp32 with |v| <= 448 -> the e4m3 byte of its nearest value (ties to even; -0 kept), as int32. Rounds by adding
-    and subtracting 1.5 * 2^(u + 23), u the exponent of v's e4m3 ulp (2^(e - 3) for normal v, 2^-9 below 2^-6), in
-    the fp32 adder, then assembles the byte. The interpreter's stand-in for the hardware conversion (its own
-    fp32 -> fp8 cast truncates, and drops the sign of -0 with some NumPy versions)."""
-    vb = v.to(tl.int32, bitcast=True)
-    a = tl.abs(v)
-    e = ((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
-    u = tl.maximum(e, -6) - 3
-    magic = (((u + 23 + 127) << 23) | 0x400000).to(tl.float32, bitcast=True)
-    r = (a + magic) - magic  # the rounded magnitude, an e4m3 value
+    """fp32 with |v| <= 448 -> the e4m3 byte of its nearest value (ties to even; -0 kept), as int32: ``round_e4m3``,
+    then the byte assembled from the rounded value's bits. The interpreter's stand-in for the hardware conversion
+    (its own fp32 -> fp8 cast truncates, and drops the sign of -0 with some NumPy versions)."""
+    r = tl.abs(round_e4m3(v))  # the rounded magnitude, an e4m3 value
     rb = r.to(tl.int32, bitcast=True)
     re = ((rb >> 23) & 0xFF) - 127
     normal = ((re + 7) << 3) | ((rb >> 20) & 7)
     sub = (r * 512.0).to(tl.int32)  # multiples of 2^-9 below 2^-6: codes 0..7
-    return tl.where(re >= -6, normal, sub) | (((vb >> 31) & 1) << 7)
+    return tl.where(re >= -6, normal, sub) | (((v.to(tl.int32, bitcast=True) >> 31) & 1) << 7)
 
 
 @triton.jit

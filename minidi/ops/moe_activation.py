@@ -46,6 +46,8 @@ import triton.language as tl
 
 from minidi.formats import E4M3_MAX, pow2_ceil
 
+from ._triton_formats import pow2_ceil as pow2_ceil_k
+from ._triton_formats import round_e4m3
 from ._triton_utils import cannot_run, local_row_count, resolve_backend, round_bf16, triton_can_run
 
 AMAX_FLOOR = 1e-4  # fq8's amax floor (``minidi.model.quant.fq8``)
@@ -86,26 +88,6 @@ def grid_step(ref: torch.Tensor, block: int | None) -> torch.Tensor:
 
 # ---- kernel --------------------------------------------------------------------------------------------------------
 @triton.jit
-def _pow2_ceil(y):
-    """2^ceil(log2(y)) for positive normal fp32 y, exact: the kernel's twin of ``minidi.formats.pow2_ceil`` (a kernel
-    cannot call torch; test_moe_activation.py::test_pow2_ceil_twin holds the two equal)."""
-    bits = y.to(tl.int32, bitcast=True)
-    e = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
-    return (e << 23).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _round_e4m3(y):
-    """|y| <= 448 fp32 -> the nearest e4m3 value (ties to even), exact."""
-    a = tl.abs(y)
-    e = ((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127  # binade of |y| (-127 for 0 and fp32 subnormals)
-    e = tl.maximum(e, -6)  # e4m3's subnormal step 2^-9 below 2^-6
-    c = ((e + 20 + 127) << 23).to(tl.float32, bitcast=True)  # 2^(e+20): its fp32 ulp is the e4m3 step 2^(e-3)
-    q = (a + c) - c
-    return tl.where(y < 0, -q, q)
-
-
-@triton.jit
 def _moe_activation_kernel(
         g_ptr, v_ptr, w_ptr, offs_ptr, out_ptr,
         R, I, E, stride_g, stride_v, stride_w, stride_o, limit,
@@ -131,10 +113,10 @@ def _moe_activation_kernel(
             h = round_bf16(h)  # the model's .to(dtype)
         if QUANT:
             amax = tl.max(tl.where(m & (h == h), tl.abs(h), 0.0), axis=1)  # [BR], over the finite values
-            s = _pow2_ceil(tl.math.div_rn(tl.maximum(amax, _AMAX_FLOOR_K), _E4M3_MAX_K))  # [BR] power of two
+            s = pow2_ceil_k(tl.math.div_rn(tl.maximum(amax, _AMAX_FLOOR_K), _E4M3_MAX_K))  # [BR] power of two
             y = tl.math.div_rn(h, s[:, None])  # exact: s is a power of two
             y = tl.minimum(tl.maximum(y, -_E4M3_MAX_K), _E4M3_MAX_K)
-            h = tl.where(h != h, h, _round_e4m3(y) * s[:, None])  # a NaN input stays NaN
+            h = tl.where(h != h, h, round_e4m3(y) * s[:, None])  # a NaN input stays NaN
         tl.store(out_ptr + r64 * stride_o + cols[None, :], h.to(out_ptr.dtype.element_ty), mask=m)
 
 

@@ -191,20 +191,10 @@ def _untouched_between(graph, start: Node, stop: Node, tensors: set[Node]) -> bo
     return True
 
 
-def _descendant_cats(node: Node, depth: int = 12) -> list[Node]:
-    """The ``cat`` nodes within ``depth`` uses of ``node`` (where an apply_rope chain on node's output ends)."""
-    seen, frontier, cats = {node}, [node], []
-    for _ in range(depth):
-        nxt = []
-        for n in frontier:
-            for u in n.users:
-                if u not in seen:
-                    seen.add(u)
-                    nxt.append(u)
-                    if is_call(u, "cat"):
-                        cats.append(u)
-        frontier = nxt
-    return cats
+def _cats_of_slices(node: Node) -> list[Node]:
+    """The ``cat`` nodes that read a slice of ``node`` (where an apply_rope chain on node's output ends: its nope
+    slice goes straight into the cat)."""
+    return [c for u in node.users if is_call(u, "getitem") for c in u.users if is_call(c, "cat")]
 
 
 class SparseAttention(Rewrite):
@@ -319,7 +309,7 @@ class SparseAttention(Rewrite):
                 q, cos, sin = rq[0], rq[1], rq[2]
                 mode |= ROPE_Q
                 nodes |= rq[4]
-        for cat in _descendant_cats(node):  # the output's apply_rope(out, cos, sin, inverse=True)
+        for cat in _cats_of_slices(node):  # the output's apply_rope(out, cos, sin, inverse=True)
             ro = rope_chain(cat)
             if ro is None or ro[0] is not node or not ro[3] or (cos is not None and (ro[1], ro[2]) != (cos, sin)):
                 continue

@@ -15,7 +15,9 @@ from minidi.model.moe import swiglu_clipped
 from minidi.model.quant import fq8
 from minidi.ops import _triton_utils
 from minidi.ops._triton_utils import round_bf16 as _round_bf16
-from minidi.ops.moe_activation import _pow2_ceil, _round_e4m3, grid_step, launch, moe_activation, moe_activation_ref
+from minidi.ops._triton_formats import pow2_ceil as _pow2_ceil
+from minidi.ops._triton_formats import round_e4m3 as _round_e4m3
+from minidi.ops.moe_activation import grid_step, launch, moe_activation, moe_activation_ref
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 POISON = 12345.0

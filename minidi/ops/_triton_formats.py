@@ -1,0 +1,38 @@
+"""Triton twins of ``minidi.formats`` (a kernel cannot call torch), shared by the ops that quantise or decode:
+``moe_activation.py`` (fq8 in the epilogue), ``fp8_quant.py`` (fq8_split), ``fp4_grouped_gemm.py`` and
+``fp8_grouped_gemm.py`` (E8M0 weight scales). The op tests hold each equal to its torch original
+(test_moe_activation.py::test_pow2_ceil_twin and its e4m3 grid test, test_fp4_grouped_gemm.py::
+test_decode_matches_formats, test_fp8_quant.py)."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def pow2_ceil(y):
+    """2^ceil(log2(y)) for positive normal fp32 y, exact, from its bits: ``minidi.formats.pow2_ceil``."""
+    bits = y.to(tl.int32, bitcast=True)
+    e = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+    return (e << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def round_e4m3(y):
+    """|y| <= 448 fp32 -> the nearest e4m3 value (ties to even), exact, in fp32: adding and subtracting 2^(e + 20)
+    (its fp32 ulp is the e4m3 step 2^(e - 3) of y's binade e, at least -6: the subnormal step 2^-9) rounds in the
+    fp32 adder. The sign of a value that rounds to 0 is kept (-0)."""
+    a = tl.abs(y)
+    e = ((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127  # binade of |y| (-127 for 0 and fp32 subnormals)
+    e = tl.maximum(e, -6)
+    c = ((e + 20 + 127) << 23).to(tl.float32, bitcast=True)
+    q = (a + c) - c
+    return tl.where(y < 0, -q, q)
+
+
+@triton.jit
+def e8m0_to_fp32(b):
+    """E8M0 codes (any int dtype) -> fp32 2^(b-127); 0 -> 2^-127 (subnormal), 255 -> NaN: ``e8m0_to_float``."""
+    b = b.to(tl.int32)
+    return tl.where(b == 0, 0x00400000, tl.where(b == 255, 0x7FC00000, b << 23)).to(tl.float32, bitcast=True)
