@@ -126,12 +126,13 @@ def _round_p(e, ROUND_BF16: tl.constexpr, INTERPRET: tl.constexpr):
 
 @triton.jit
 def _product(a, b, INTERPRET: tl.constexpr):
-    """a * b rounded to fp32 on its own: on the GPU behind an opaque move, so that the compiler cannot contract it
-    into a fused multiply-add with the sum it feeds (the rotation must round as eager's separate mul / sub)."""
-    p = a * b
-    if not INTERPRET:
-        p = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=f,f", [p], dtype=tl.float32, is_pure=True, pack=1)
-    return p
+    """a * b rounded to fp32 on its own, as eager's separate mul / sub round: on the GPU a ``mul.rn.f32``, which
+    neither LLVM nor ptxas contracts into a fused multiply-add with the sum it feeds (a plain product hidden behind
+    an opaque ``mov`` was still contracted by ptxas: measured on the H200, not bit-equal to eager)."""
+    if INTERPRET:
+        return a * b
+    return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=f,f,f", [a, b], dtype=tl.float32, is_pure=True,
+                                     pack=1)
 
 
 @triton.jit
@@ -151,6 +152,26 @@ def _rope_load(q_ptr, q_rows, offs, ok, h_ok, cos_ptr, sin_ptr, t, D: tl.constex
     if INTERPRET:  # keep fp32 storage there (its bf16 arithmetic is wrong; mma upcasts anyway)
         return tl.where(rot[None, :], y, x.to(tl.float32))
     return tl.where(rot[None, :], y, x)
+
+
+@triton.jit
+def _rope_stage(q_ptr, out_ptr, q_rows, h_ok, cos_ptr, sin_ptr, t, D: tl.constexpr, R2: tl.constexpr,
+                RB: tl.constexpr, ROUND_BF16: tl.constexpr, INTERPRET: tl.constexpr):
+    """Write q's rotated trailing 2 R2 channels (rope_ref's math and rounding) into the same rows of ``out``, which
+    the program overwrites with its result at the end: the rotated q then reaches the Q@K^T dot through a plain
+    load, held in shared memory as the unrotated q is (rotating the loaded tile in registers made Triton keep q in
+    registers: 142 spills, 1.8x the kernel's time, measured on the H200). RB: 2 R2 rounded up to a power of two."""
+    offs = D - 2 * R2 + tl.arange(0, RB)  # [RB] the rotated channels
+    ok = offs < D
+    pair = tl.where(ok, (offs - (D - 2 * R2)) // 2, 0)
+    c = tl.load(cos_ptr + t * R2 + pair, mask=ok, other=1.0)
+    s = tl.load(sin_ptr + t * R2 + pair, mask=ok, other=0.0)
+    s = tl.where(offs % 2 == 0, -s, s)  # even: x0 c - x1 s; odd: x1 c + x0 s
+    m = h_ok[:, None] & ok[None, :]
+    x = tl.load(q_ptr + q_rows[:, None] + offs[None, :], mask=m, other=0.0).to(tl.float32)
+    xp = tl.load(q_ptr + q_rows[:, None] + (offs ^ 1)[None, :], mask=m, other=0.0).to(tl.float32)
+    y = _round_p(_product(x, c[None, :], INTERPRET) + _product(xp, s[None, :], INTERPRET), ROUND_BF16, INTERPRET)
+    tl.store(out_ptr + q_rows[:, None] + offs[None, :], y.to(out_ptr.dtype.element_ty), mask=m)
 
 
 @triton.jit
@@ -206,7 +227,7 @@ def _sparse_attention_kernel(
     comp_off, H, n_keys, n_tiles, scale,
     D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
     NSPLIT: tl.constexpr, ROUND_BF16: tl.constexpr, IEEE: tl.constexpr,
-    ROPE_Q: tl.constexpr, ROPE_OUT: tl.constexpr, R2: tl.constexpr, INTERPRET: tl.constexpr,
+    ROPE_Q: tl.constexpr, ROPE_OUT: tl.constexpr, R2: tl.constexpr, RB: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """Tiles (token t, head block hb, D part) in that order, fastest last; a grid smaller than n_tiles loops."""
     pid = tl.program_id(0)
@@ -224,7 +245,13 @@ def _sparse_attention_kernel(
         offs_d = dpart * DV + tl.arange(0, DV)  # [DV] own columns: PV output and one Q@K^T chunk
         d_ok = (offs_d < D) | (D == BLOCK_D)  # constant-true when D fills the block: masks stay per row
         q_rows = (t * H + offs_h) * D  # [BH]
-        if ROPE_Q:  # q's rotation in the load (rope_ref's math and rounding)
+        if ROPE_Q and NSPLIT == 1:  # q's rotation staged in out's rows, then one load (the rest from q)
+            _rope_stage(q_ptr, out_ptr, q_rows, h_ok, cos_ptr, sin_ptr, t, D, R2, RB, ROUND_BF16, INTERPRET)
+            tl.debug_barrier()  # the staged channels are visible to every thread of the program
+            rot = offs_d >= D - 2 * R2
+            q = tl.load(tl.where(rot[None, :], out_ptr, q_ptr) + q_rows[:, None] + offs_d[None, :],
+                        mask=h_ok[:, None] & d_ok[None, :], other=0.0)  # [BH, DV]
+        elif ROPE_Q:  # two programs share the token's rows (NSPLIT 2): rotate in registers
             q = _rope_load(q_ptr, q_rows, offs_d, d_ok, h_ok, cos_ptr, sin_ptr, t, D, R2, ROUND_BF16, INTERPRET)
         else:
             q = tl.load(q_ptr + q_rows[:, None] + offs_d[None, :], mask=h_ok[:, None] & d_ok[None, :],
@@ -344,6 +371,7 @@ def launch(q: torch.Tensor, window_kv: torch.Tensor, window_idx: torch.Tensor, c
     if cfg["persistent"]:  # one program per SM, looping over tiles in order
         n_prog = min(n_tiles, 1 if interp else num_sms(q.device))
     launch_kw = {} if interp else dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    r2 = rope_cos.shape[-1] if rope_mode else 1
     if rope_mode:
         rope_cos, rope_sin = rope_cos.contiguous(), rope_sin.contiguous()
     else:  # dummy (never read) pointers
@@ -354,7 +382,7 @@ def launch(q: torch.Tensor, window_kv: torch.Tensor, window_idx: torch.Tensor, c
             D=d, BLOCK_H=block_h, BLOCK_K=block_k, BLOCK_D=block_d, NSPLIT=nsplit,
             ROUND_BF16=q.dtype == torch.bfloat16, IEEE=q.dtype == torch.float32,
             ROPE_Q=bool(rope_mode & ROPE_Q), ROPE_OUT=bool(rope_mode & ROPE_OUT),
-            R2=rope_cos.shape[-1] if rope_mode else 1, INTERPRET=interp, **launch_kw)
+            R2=r2, RB=triton.next_power_of_2(2 * r2), INTERPRET=interp, **launch_kw)
     if info is not None:
         info.update(cfg, grid=n_prog)
         if not interp and kernel is not None:
