@@ -152,12 +152,18 @@ def pass_matches(step) -> dict | None:
     return step.counts if hasattr(step, "counts") else dict(manager.counts)
 
 
+COMPILE_RECORD_KEYS = ("compile_s", "compile_detail_s", "triton_jit", "cache", "compile_cache")
+
+
 def compile_record(step) -> dict:
     """The first step's split (``compile_s``: first_step, dynamo_trace, passes, backend = AOT + Inductor, aot,
     inductor_lowering / codegen, kernel_compile_wait, run_and_eager, cache_load / save; nested phases overlap) and
     the compile cache's record (``cache``: hit | miss | None; ``compile_cache``: reason, entry, artifact bytes)."""
-    cc = getattr(step, "compile_cache", None)
-    return {"compile_s": getattr(step, "compile_s", None) or None, "cache": cc.status if cc else None,
+    cc, first = getattr(step, "compile_cache", None), getattr(step, "first_step", None)
+    return {"compile_s": getattr(step, "compile_s", None) or None,
+            "compile_detail_s": first.detail if first is not None else None,  # every torch phase >= 0.05 s
+            "triton_jit": first.triton.record() if first is not None else None,  # compiles in this process
+            "cache": cc.status if cc else None,
             "compile_cache": cc.summary() if cc else None}
 
 
@@ -226,7 +232,7 @@ def run_mode(mode: str, wl, args, card: dict, out_dir: Path, held: dict | None =
         "gpu_busy_ms": prof.gpu_busy_ms and round(prof.gpu_busy_ms, 3),
         "profile_steps": args.profile_steps, "profiled_step_sums_ms": [round(v, 3) for v in prof.step_sums],
         "pass_matches": pass_matches(step), "first_step_s": round(first.seconds, 1), "step_reused": reused,
-        **(compile_record(step) if not reused else {"compile_s": None, "cache": None, "compile_cache": None}),
+        **(compile_record(step) if not reused else dict.fromkeys(COMPILE_RECORD_KEYS)),
         "logits_finite": bool(torch.isfinite(logits).all()), "stage_markers": not args.no_stage_markers,
         "cuda_graph": False, "trace": trace.name if trace else None,
         "phases_s": {k: round(v, 1) for k, v in phase.seconds.items()},

@@ -52,8 +52,8 @@ from minidi.model.config import ModelConfig
 from minidi.passes import PassManager
 from minidi.runtime.exact_cpu import all_cpu, aten_kernels
 
-from .compile_cache import (CompileCache, FirstStep, device_of, cacheable_minidi_calls, clear_recorded_artifacts,
-                            key_fields)
+from .compile_cache import CompileCache, cacheable_minidi_calls, clear_recorded_artifacts, device_of, key_fields
+from .first_step import FirstStep
 
 log = logging.getLogger("minidi.compile")
 
@@ -207,19 +207,19 @@ class CompiledStep:
         self.fn, self.pass_manager, self._compiled = fn, manager, compiled
         self.dynamic, self._progress, self._what = dynamic, progress, what
         self.calls = 0
-        self._first, self.compile_cache = first, first.cache
+        self.first_step, self.compile_cache = first, first.cache  # first_step: its phases, Triton compiles
         self.compile_s: dict[str, float] = {}  # the first call's seconds by phase (FirstStep.finish)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         graphs, cache0, t0 = len(self.pass_manager.history), _inductor_cache_counts(), time.perf_counter()
         if self.calls == 0:
             self._progress(f"minidi.compile: compiling {self._what} as one graph ...")
-            self._first.start()
+            self.first_step.start()
         self.calls += 1
         with _call_settings(self.dynamic, None):
             out = self._compiled(*args, **kwargs)
         if self.calls == 1:
-            self.compile_s = self._first.finish(lambda: dict(self.pass_manager.counts))
+            self.compile_s = self.first_step.finish(lambda: dict(self.pass_manager.counts))
         new = len(self.pass_manager.history) - graphs
         if new or self.calls == 1:
             verb = "compiled" if self.calls == 1 else "recompiled"
@@ -267,7 +267,7 @@ class RegionalStep:
         self.dynamic, self._progress = dynamic, progress
         self.recompile_limit = 4 * len(model.layers)  # one code object (Block's call), one graph per layer kind
         self.calls = 0
-        self._first, self.compile_cache = first, first.cache
+        self.first_step, self.compile_cache = first, first.cache  # first_step: its phases, Triton compiles
         self.compile_s: dict[str, float] = {}  # the first call's seconds by phase (FirstStep.finish)
         self._open: tuple[int, int, float, Counter] | None = None  # (layer, graphs before, t0, cache counts)
         self._timed: set[Any] = set()
@@ -303,7 +303,7 @@ class RegionalStep:
         if first:
             self._progress(f"minidi.compile: compiling {len(self.kinds)} layers ({len(set(self.kinds))} kinds) "
                            "one by one ...")
-            self._first.start()
+            self.first_step.start()
         self.calls += 1
         ok = False
         try:
@@ -315,7 +315,7 @@ class RegionalStep:
             self._close_layer()
             self.pass_manager.current_layer = None
             if first and ok:
-                self.compile_s = self._first.finish(lambda: self.counts if self.pass_manager.keys else {})
+                self.compile_s = self.first_step.finish(lambda: self.counts if self.pass_manager.keys else {})
             if first:
                 self._progress(f"minidi.compile: compiled {len(self.pass_manager.history) - graphs} graph(s) for "
                                f"{len(set(self.kinds))} layer kinds in {time.perf_counter() - t0:.1f} s "

@@ -21,8 +21,8 @@ whose hash differs from the manifest's, torch refusing the bytes). A miss compil
 the entry; nothing of an unusable entry is loaded.
 
 Also here, for ``compile.py``: ``cacheable_minidi_calls`` (lets AOTAutograd's cache keep graphs that call minidi's
-op wrappers; without it every start re-traces AOT, and its graphs missed Inductor's cache in a second process too)
-and ``FirstStep`` (the first call's split by phase, ``compile_s``, and the cache's check and save).
+op wrappers; without it every start re-traces AOT, and its graphs missed Inductor's cache in a second process too).
+The first call's split by phase and the cache's check and save after it: ``first_step.py``.
 
 On a GPU the FX graph cache entries carry their Triton kernels; minidi's own ops are Triton kernels behind custom
 ops, compiled by Triton's JIT at their first call into Triton's cache folder: the entry keeps the kernel folders the
@@ -44,7 +44,7 @@ import platform
 import tarfile
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -371,57 +371,5 @@ def cacheable_minidi_calls(gm: Any) -> Any:
     return inductor_config.patch(unsafe_marked_cacheable_functions=marked)
 
 
-def _torch_compile_seconds() -> dict[str, float]:
-    """Seconds torch's ``dynamo_timed`` phases took so far in this process, per phase (nested phases overlap)."""
-    from torch._dynamo import utils
-
-    return {k: sum(v) for k, v in getattr(utils, "compilation_time_metrics", {}).items()}
-
-
-class FirstStep:
-    """What the first call of a compiled step (``compile.py``) measures and does: the split of its seconds
-    (``compile_s``) and the compile cache's check and save (``cache``: a ``CompileCache`` or None)."""
-
-    # torch's own phases worth reporting (dynamo_timed names; absent ones are skipped)
-    PHASES = {"dynamo": "_compile.compile_inner", "aot": "create_aot_dispatcher_function",
-              "inductor_lowering": "GraphLowering.run", "inductor_codegen": "GraphLowering.compile_to_module",
-              "kernel_compile_wait": "async_compile.wait"}
-
-    def __init__(self, backend: Any, cache: CompileCache | None) -> None:
-        self.times, self.cache = backend.times, cache  # type: ignore[attr-defined]
-        self.t0, self.torch0, self.mine0 = 0.0, {}, {}
-
-    def start(self) -> None:
-        self.t0, self.torch0, self.mine0 = time.perf_counter(), _torch_compile_seconds(), dict(self.times)
-
-    def finish(self, counts: Callable[[], dict[str, int] | None]) -> dict[str, float]:
-        total = time.perf_counter() - self.t0
-        now = _torch_compile_seconds()
-        delta = {k: now[k] - self.torch0.get(k, 0.0) for k in now}
-        mine = {k: self.times[k] - self.mine0.get(k, 0.0) for k in self.times}
-        out = {"first_step": total, "passes": mine["passes"], "backend": mine["backend"]}
-        for name, key in self.PHASES.items():
-            if key in delta:
-                out[name] = delta[key]
-        if "dynamo" in out:  # Dynamo's time includes the backend's: what is left is tracing (and guards)
-            out["dynamo_trace"] = max(out["dynamo"] - mine["passes"] - mine["backend"], 0.0)
-            out["run_and_eager"] = max(total - out["dynamo"], 0.0)
-        if self.cache is not None:
-            out["cache_load"] = self.cache.load_s
-            try:
-                c = counts()
-            except RuntimeError:  # a layer ran no graph (an error elsewhere): nothing to check or save
-                c = None
-            if c is not None:
-                self.cache.check_counts(c)
-                try:
-                    self.cache.save(c, total)
-                except OSError as e:  # a full or read-only disk costs the next start its warm cache, not this step
-                    log.warning("minidi.compile: compile cache not saved to %s (%s: %s)", self.cache.path,
-                                type(e).__name__, e)
-            out["cache_save"] = self.cache.save_s
-        return {k: round(v, 2) for k, v in out.items()}
-
-
-__all__ = ["CompileCache", "FirstStep", "cacheable_minidi_calls", "clear_recorded_artifacts", "differing",
+__all__ = ["CompileCache", "cacheable_minidi_calls", "clear_recorded_artifacts", "differing",
            "key_fields", "source_hash"]

@@ -1,0 +1,49 @@
+"""The first call's bookkeeping (``minidi/runtime/first_step.py``): torch's phases listed longest first, and the
+Triton compiles counted through Triton's compilation listener (chained with one set before, put back after)."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+from minidi.runtime.first_step import TritonCompiles, phase_detail
+
+
+def test_phase_detail_sorts_longest_first_and_drops_short_phases():
+    delta = {"GraphLowering.run": 1.234, "_compile.compile_inner": 9.87, "tiny": 0.01, "async_compile.wait": 1.234}
+    out = phase_detail(delta, min_s=0.05)
+    assert list(out) == ["_compile.compile_inner", "GraphLowering.run", "async_compile.wait"]  # ties by name
+    assert out["GraphLowering.run"] == 1.23 and "tiny" not in out
+
+
+def _times(ir_us: int, stages_us: list[int], store_us: int):
+    return types.SimpleNamespace(ir_initialization=ir_us, total_lowering=sum(stages_us), store_results=store_us)
+
+
+def test_triton_compiles_count_compiles_and_cache_hits_and_chain_the_previous_listener():
+    counter = TritonCompiles()
+    if not counter.available:
+        pytest.skip("this Triton has no compilation listener (triton.knobs.compilation.listener)")
+    from triton import knobs
+
+    seen = []
+    previous = knobs.compilation.listener
+
+    def earlier(**event):
+        seen.append(event["cache_hit"])
+
+    knobs.compilation.listener = earlier
+    try:
+        counter.start()
+        assert knobs.compilation.listener is counter
+        event = dict(src=None, metadata=None, metadata_group={})
+        knobs.compilation.listener(**event, times=_times(1_000, [2_000, 500_000], 3_000), cache_hit=False)
+        knobs.compilation.listener(**event, times=_times(7, [7], 7), cache_hit=True)
+        counter.stop()
+        assert knobs.compilation.listener is earlier  # put back
+        assert seen == [False, True]  # chained
+        assert counter.record() == {"compiles": 1, "cache_hits": 1, "s": 0.51}
+        assert counter.seen
+    finally:
+        knobs.compilation.listener = previous
