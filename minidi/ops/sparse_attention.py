@@ -48,6 +48,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._sparse_attention_rope import (ROPE_OUT, ROPE_Q, _rope_load, _rope_stage, _rope_store_values, _round_p,
+                                     rope_ref)
 from ._triton_utils import cannot_run, interpreting, mma, num_sms, resolve_backend, round_bf16, triton_can_run
 
 Q_DTYPES = (torch.bfloat16, torch.float32)
@@ -56,25 +58,6 @@ MAX_D = 512  # the [BH, D] fp32 accumulator must fit one SM's registers
 
 
 # ---- reference -----------------------------------------------------------------------------------------------------
-ROPE_Q = 1  # rope_mode bit: rotate q's trailing 2 r2 channels by (cos, sin) as the kernel loads it
-ROPE_OUT = 2  # rope_mode bit: rotate the output's trailing 2 r2 channels back (by -angle) as the kernel stores it
-
-
-def rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-    """Rotate the trailing ``2 * cos.shape[-1]`` channels of x [T, H, D] as interleaved pairs (2i, 2i + 1), in fp32,
-    rounded to x's dtype; cos / sin [T, r2] fp32; ``inverse`` rotates by -angle. A deliberate twin of
-    ``minidi.model.layers.apply_rope`` (tests/ops/test_sparse_attention.py holds the two bit-equal)."""
-    r = 2 * cos.shape[-1]
-    nope, rot = x[..., :-r], x[..., -r:]
-    c, s = cos.view(cos.shape[0], 1, -1), sin.view(sin.shape[0], 1, -1)
-    if inverse:
-        s = -s
-    pairs = rot.float().unflatten(-1, (r // 2, 2))
-    x0, x1 = pairs[..., 0], pairs[..., 1]
-    out = torch.stack([x0 * c - x1 * s, x0 * s + x1 * c], dim=-1).flatten(-2).to(x.dtype)
-    return torch.cat([nope, out], dim=-1)
-
-
 def sparse_attention_ref(q: torch.Tensor, window_kv: torch.Tensor, window_idx: torch.Tensor,
                          comp_kv: torch.Tensor | None, comp_idx: torch.Tensor | None, sink: torch.Tensor,
                          scale: float, rope_cos: torch.Tensor | None = None, rope_sin: torch.Tensor | None = None,
@@ -112,90 +95,6 @@ def _attention_ref(q, window_kv, window_idx, comp_kv, comp_idx, sink, scale) -> 
 
 
 # ---- kernel --------------------------------------------------------------------------------------------------------
-@triton.jit
-def _round_p(e, ROUND_BF16: tl.constexpr, INTERPRET: tl.constexpr):
-    """The unnormalised probabilities as PV consumes them: rounded to bf16 (nearest even) in bf16 mode."""
-    if ROUND_BF16:
-        if INTERPRET:  # the interpreter's fp32 -> bf16 cast truncates: round by hand, keep fp32 storage
-            return round_bf16(e)
-        else:
-            return e.to(tl.bfloat16)
-    else:
-        return e
-
-
-@triton.jit
-def _product(a, b, INTERPRET: tl.constexpr):
-    """a * b rounded to fp32 on its own, as eager's separate mul / sub round: on the GPU a ``mul.rn.f32``, which
-    neither LLVM nor ptxas contracts into a fused multiply-add with the sum it feeds (a plain product hidden behind
-    an opaque ``mov`` was still contracted by ptxas: measured on the H200, not bit-equal to eager)."""
-    if INTERPRET:
-        return a * b
-    return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=f,f,f", [a, b], dtype=tl.float32, is_pure=True,
-                                     pack=1)
-
-
-@triton.jit
-def _rope_load(q_ptr, q_rows, offs, ok, h_ok, cos_ptr, sin_ptr, t, D: tl.constexpr, R2: tl.constexpr,
-               ROUND_BF16: tl.constexpr, INTERPRET: tl.constexpr):
-    """q [BH, len(offs)] with its trailing 2 R2 channels of D rotated (pairs 2i, 2i+1; rope_ref's math: each
-    product rounded, then the sum) and rounded to q's dtype; the partner of channel d is loaded from d ^ 1."""
-    x = tl.load(q_ptr + q_rows[:, None] + offs[None, :], mask=h_ok[:, None] & ok[None, :], other=0.0)
-    rot = ok & (offs >= D - 2 * R2)  # [len]
-    pair = tl.where(rot, (offs - (D - 2 * R2)) // 2, 0)
-    c = tl.load(cos_ptr + t * R2 + pair, mask=rot, other=1.0)
-    s = tl.load(sin_ptr + t * R2 + pair, mask=rot, other=0.0)
-    s = tl.where(offs % 2 == 0, -s, s)  # even: x0 c - x1 s; odd: x1 c + x0 s
-    xp = tl.load(q_ptr + q_rows[:, None] + (offs ^ 1)[None, :], mask=h_ok[:, None] & rot[None, :], other=0.0)
-    y = _product(x.to(tl.float32), c[None, :], INTERPRET) + _product(xp.to(tl.float32), s[None, :], INTERPRET)
-    y = _round_p(y, ROUND_BF16, INTERPRET)
-    if INTERPRET:  # keep fp32 storage there (its bf16 arithmetic is wrong; mma upcasts anyway)
-        return tl.where(rot[None, :], y, x.to(tl.float32))
-    return tl.where(rot[None, :], y, x)
-
-
-@triton.jit
-def _rope_stage(q_ptr, out_ptr, q_rows, h_ok, cos_ptr, sin_ptr, t, D: tl.constexpr, R2: tl.constexpr,
-                RB: tl.constexpr, ROUND_BF16: tl.constexpr, INTERPRET: tl.constexpr):
-    """Write q's rotated trailing 2 R2 channels (rope_ref's math and rounding) into the same rows of ``out``, which
-    the program overwrites with its result at the end: the rotated q then reaches the Q@K^T dot through a plain
-    load, held in shared memory as the unrotated q is (rotating the loaded tile in registers made Triton keep q in
-    registers: 142 spills, 1.8x the kernel's time, measured on the H200). RB: 2 R2 rounded up to a power of two."""
-    offs = D - 2 * R2 + tl.arange(0, RB)  # [RB] the rotated channels
-    ok = offs < D
-    pair = tl.where(ok, (offs - (D - 2 * R2)) // 2, 0)
-    c = tl.load(cos_ptr + t * R2 + pair, mask=ok, other=1.0)
-    s = tl.load(sin_ptr + t * R2 + pair, mask=ok, other=0.0)
-    s = tl.where(offs % 2 == 0, -s, s)  # even: x0 c - x1 s; odd: x1 c + x0 s
-    m = h_ok[:, None] & ok[None, :]
-    x = tl.load(q_ptr + q_rows[:, None] + offs[None, :], mask=m, other=0.0).to(tl.float32)
-    xp = tl.load(q_ptr + q_rows[:, None] + (offs ^ 1)[None, :], mask=m, other=0.0).to(tl.float32)
-    y = _round_p(_product(x, c[None, :], INTERPRET) + _product(xp, s[None, :], INTERPRET), ROUND_BF16, INTERPRET)
-    tl.store(out_ptr + q_rows[:, None] + offs[None, :], y.to(out_ptr.dtype.element_ty), mask=m)
-
-
-@triton.jit
-def _rope_store_values(out, d_base, cos_ptr, sin_ptr, t, D: tl.constexpr, R2: tl.constexpr, BH: tl.constexpr,
-                       DV: tl.constexpr, ROUND_BF16: tl.constexpr, INTERPRET: tl.constexpr):
-    """The output tile [BH, DV] (fp32) rounded to the output dtype, its trailing 2 R2 channels of D rotated back
-    (by -angle; pairs split out of the tile), rounded again: rope_ref(out, cos, sin, inverse=True). fp32 storage."""
-    o = _round_p(out, ROUND_BF16, INTERPRET).to(tl.float32)
-    x0, x1 = tl.split(tl.reshape(o, (BH, DV // 2, 2)))  # [BH, DV/2] each
-    d0 = d_base + 2 * tl.arange(0, DV // 2)  # the tile's even channels
-    rot = (d0 >= D - 2 * R2) & (d0 < D)
-    pair = tl.where(rot, (d0 - (D - 2 * R2)) // 2, 0)
-    c = tl.load(cos_ptr + t * R2 + pair, mask=rot, other=1.0)[None, :]
-    s = -tl.load(sin_ptr + t * R2 + pair, mask=rot, other=0.0)[None, :]  # inverse rotation
-    y0 = _product(x0, c, INTERPRET) - _product(x1, s, INTERPRET)
-    y1 = _product(x0, s, INTERPRET) + _product(x1, c, INTERPRET)
-    y0 = tl.where(rot[None, :], y0, x0)
-    y1 = tl.where(rot[None, :], y1, x1)
-    y = tl.reshape(tl.join(y0, y1), (BH, DV))
-    if ROUND_BF16 and INTERPRET:
-        y = round_bf16(y)  # the interpreter's fp32 -> bf16 store truncates: hand it the rounded value
-    return y
-
-
 # slot code: window row r -> r, compressed row r -> r | 2^30, empty -> -1 (rows < 2^30)
 COMP_BIT = tl.constexpr(30)
 COMP_FLAG = tl.constexpr(1 << 30)
