@@ -29,7 +29,7 @@ EAGER_BUDGET_BYTES = 1 << 30
 
 
 class LayerKind(NamedTuple):
-    """A layer's roles (``Block.kind()``): layers of one kind trace to the same graph."""
+    """A layer's roles (``Block.kind()``): layers of one kind trace ``Block.core`` to the same graph."""
 
     ratio: int | str  # "shared": a V4.1 layer that reads its source's compressed KV, whatever the ratio
     kv_source: Any
@@ -38,7 +38,6 @@ class LayerKind(NamedTuple):
     candidate_filtered: bool
     candidate_source: Any
     v4_indexer: bool
-    engram: bool
     hash_routed: bool
 
 
@@ -64,19 +63,25 @@ class Block(nn.Module):
             self.engram = Engram(cfg, real if engram_rows is None else min(real, engram_rows))
 
     def kind(self) -> LayerKind:
-        """What makes two layers trace to the same graph: their roles (attention ratio, kv / index source, index-key
-        owner, candidate filter / source, V4 indexer, Engram, hash routing); ``forward`` reads nothing else that
+        """What makes two layers trace ``core`` to the same graph: their roles (attention ratio, kv / index source,
+        index-key owner, candidate filter / source, V4 indexer, hash routing); ``core`` reads nothing else that
         differs between layers (it never reads ``layer_id``: see ``LayerCache``). A per-layer compile reuses one
-        graph for every layer of a kind. A V4.1 compressed layer that is no KV source never reads its own ratio:
-        it attends the source's compressed KV (ratio "shared"), and, re-indexing, reads the metadata of the source's
-        ratio (the source's ratio is its kind's)."""
+        graph for every layer of a kind. An Engram is not part of it: it runs in front of ``core`` (``front``) and
+        compiles as a graph of its own, so an Engram layer shares the graph of its kind. A V4.1 compressed layer
+        that is no KV source never reads its own ratio: it attends the source's compressed KV (ratio "shared"), and,
+        re-indexing, reads the metadata of the source's ratio (the source's ratio is its kind's)."""
         a, cfg = self.attn, self.cfg
         ratio: int | str = a.ratio
         if cfg.is_v41 and a.compressed and not a.kv_source:
             source = max(j for j in range(self.layer_id + 1) if cfg.is_kv_source(j))
             ratio = cfg.ratio(source) if a.index_source else "shared"
         return LayerKind(ratio, a.kv_source, a.index_source, a.owns_index_keys, a.candidate_filtered,
-                         a.candidate_source, a.v4_indexer, self.has_engram, self.ffn.gate.hash)
+                         a.candidate_source, a.v4_indexer, self.ffn.gate.hash)
+
+    @property
+    def has_front(self) -> bool:
+        """Whether ``front`` does anything: a V4.1 Engram layer."""
+        return self.has_engram and self.cfg.is_v41
 
     def _mix(self, site: str, x: torch.Tensor):
         c = self.cfg
@@ -98,11 +103,22 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor, pre: torch.Tensor | None, meta: StepMeta, cache: LayerCache,
                 shared: SharedSlots, engram_ids: torch.Tensor | None = None):
         """x [T, n, D] streams; ``cache`` this layer's tensors; ``engram_ids`` this layer's hash ids (Engram layers).
-        V4.1 (single pass): ``pre`` comes from the previous site and the one computed here collapses the next site's
-        input; V4: every site uses its own ``pre``. Returns (streams, pre for next)."""
+        The layer is ``core`` after ``front`` (a per-layer compile compiles the two apart, composed the same way:
+        ``minidi.runtime.compile.RegionalStep``). Returns (streams, pre for next)."""
+        if self.has_front:
+            x = self.front(x, engram_ids)
+        return self.core(x, pre, meta, cache, shared)
+
+    def front(self, x: torch.Tensor, engram_ids: torch.Tensor | None) -> torch.Tensor:
+        """The Engram (V4.1 Engram layers; ``has_front``): its n-gram memory added to the streams [T, n, D]."""
+        return self.engram(x, engram_ids)
+
+    def core(self, x: torch.Tensor, pre: torch.Tensor | None, meta: StepMeta, cache: LayerCache,
+             shared: SharedSlots):
+        """The layer but its Engram. V4.1 (single pass): ``pre`` comes from the previous site and the one computed
+        here collapses the next site's input; V4: every site uses its own ``pre``. Returns (streams, pre for
+        next)."""
         if self.cfg.is_v41:
-            if self.has_engram:
-                x = self.engram(x, engram_ids)
             pre_a, post, comb = self._mix("attn", x)
             h = self._attn(self.attn_norm(hc_collapse(x, pre)), meta, cache, shared)
             x = hc_expand(x, h, post, comb)

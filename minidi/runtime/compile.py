@@ -33,7 +33,7 @@ compiled step runs under:
   (``compile_cache.py``).
 
 (Over 350 lines: the two step kinds share the backend, the settings context and the progress helpers; the compile
-cache and the first step's bookkeeping live in ``compile_cache.py``.)
+cache lives in ``compile_cache.py``, the first step's bookkeeping in ``first_step.py``.)
 """
 
 from __future__ import annotations
@@ -142,15 +142,17 @@ def _inductor_cache_counts() -> Counter:
 
 
 def make_backend(manager: PassManager, inner: str | Callable = "inductor", *,
-                 faithful_rounding: bool | str = True) -> Callable:
+                 faithful_rounding: bool | str = True, times: dict[str, float] | None = None) -> Callable:
     """A ``torch.compile`` backend: run the passes on Dynamo's GraphModule, then the inner backend on the result,
-    with Inductor's ``emulate_precision_casts`` set to ``faithful_rounding`` while the inner backend compiles."""
+    with Inductor's ``emulate_precision_casts`` set to ``faithful_rounding`` while the inner backend compiles.
+    ``times`` (default: a new one): the dict its seconds in the passes / the inner backend add up in (two backends
+    of one step share one)."""
     from torch._dynamo.backends.registry import lookup_backend
 
     if not (isinstance(faithful_rounding, bool) or faithful_rounding == "exact"):
         raise ValueError(f"faithful_rounding must be True, False or 'exact', got {faithful_rounding!r}")
     inner_fn = lookup_backend(inner) if isinstance(inner, str) else inner
-    times = {"passes": 0.0, "backend": 0.0}
+    times = {"passes": 0.0, "backend": 0.0} if times is None else times
 
     def minidi_backend(gm: GraphModule, example_inputs: list) -> Callable:
         n, layer = len(manager.history), manager.current_layer
@@ -246,11 +248,33 @@ def _describe(kind: Any) -> str:
     return ", ".join([f"{k0}={v0}", *shown])
 
 
+def _compiled_layer(block: torch.nn.Module, backend: Callable, front_backend: Callable | None,
+                    dynamic: bool | None, compile_kwargs: dict) -> Callable:
+    """The block's call (``Block.forward``'s composition: ``core`` after ``front``) with each part compiled: ``core``
+    by the pass backend (one graph per ``kind()``, shared by the kind's layers through Dynamo's cache of its code),
+    an Engram ``front`` by ``front_backend`` (its own graph, shared by the Engram layers; no pass sites in it). Set
+    as the block's ``_compiled_call_impl``, the slot ``nn.Module.compile`` uses, so that the block's eager call
+    (``_call_impl``) stays the model's own."""
+    core = torch.compile(block.core, backend=backend, dynamic=dynamic, **compile_kwargs)
+    front = None
+    if getattr(block, "has_front", False):
+        front = torch.compile(block.front, backend=front_backend or backend, dynamic=dynamic, **compile_kwargs)
+
+    def call(x, pre, meta, cache, shared, engram_ids=None):
+        if front is not None:
+            x = front(x, engram_ids)
+        return core(x, pre, meta, cache, shared)
+
+    return call
+
+
 class RegionalStep:
     """A model step whose layers are compiled one by one (``minidi.compile(..., regional=True)``).
 
     Each ``Block`` is compiled on its own; layers of the same kind (``layer_kind``) share one compiled graph, so a
-    40-layer model compiles a handful of graphs instead of one 40-layer graph (minutes less on the GPU). Everything
+    40-layer model compiles a handful of graphs instead of one 40-layer graph (minutes less on the GPU). A minidi
+    Block's Engram (``Block.front``) compiles apart from the rest (``Block.core``, ``_compiled_layer``): one graph for
+    the Engram layers, so that they share their kind's graph (V4.1-Flash: 5 layer graphs instead of 7). Everything
     between the layers (embedding, Engram hashing, head) runs eagerly. The step owns ``model.layer_hook`` (the model
     calls it with the layer index before each layer) while compiled: it tells the pass manager which layer a graph
     is compiled for and times each layer kind's compile. With ``strict``, every compiled graph is checked against
@@ -259,7 +283,8 @@ class RegionalStep:
     eager model (its blocks' calls and its layer hook)."""
 
     def __init__(self, model: torch.nn.Module, manager: PassManager, backend: Callable, *, dynamic: bool | None,
-                 progress: _Progress, first: FirstStep, **compile_kwargs: Any) -> None:
+                 progress: _Progress, first: FirstStep, front_backend: Callable | None = None,
+                 **compile_kwargs: Any) -> None:
         if getattr(model, "layer_hook", None) is not None:
             raise RuntimeError("the model already has a layer_hook (compiled regionally already? uncompile() first)")
         self.model, self.pass_manager = model, manager
@@ -271,8 +296,12 @@ class RegionalStep:
         self.compile_s: dict[str, float] = {}  # the first call's seconds by phase (FirstStep.finish)
         self._open: tuple[int, int, float, Counter] | None = None  # (layer, graphs before, t0, cache counts)
         self._timed: set[Any] = set()
+        self.front_backend = front_backend
         for block in model.layers:
-            block.compile(backend=backend, dynamic=dynamic, **compile_kwargs)
+            if callable(getattr(block, "core", None)):  # a minidi Block: its core and front compiled apart
+                block._compiled_call_impl = _compiled_layer(block, backend, front_backend, dynamic, compile_kwargs)
+            else:
+                block.compile(backend=backend, dynamic=dynamic, **compile_kwargs)
         model.layer_hook = self._before_layer
 
     def _before_layer(self, i: int) -> None:
@@ -317,8 +346,10 @@ class RegionalStep:
             if first and ok:
                 self.compile_s = self.first_step.finish(lambda: self.counts if self.pass_manager.keys else {})
             if first:
+                fronts = len(getattr(getattr(self.front_backend, "pass_manager", None), "history", ()))
+                extra = f" (+{fronts} Engram graph(s))" if fronts else ""
                 self._progress(f"minidi.compile: compiled {len(self.pass_manager.history) - graphs} graph(s) for "
-                               f"{len(set(self.kinds))} layer kinds in {time.perf_counter() - t0:.1f} s "
+                               f"{len(set(self.kinds))} layer kinds{extra} in {time.perf_counter() - t0:.1f} s "
                                "(first step, eager parts included)")
 
     def uncompile(self) -> None:
@@ -420,8 +451,10 @@ def compile(  # noqa: A001 (minidi.compile mirrors torch.compile)
         cache.load()
     first = FirstStep(inner, cache)
     if regional:
+        fronts = make_backend(PassManager(None, op_backend=op_backend), backend, faithful_rounding=faithful_rounding,
+                              times=inner.times)  # type: ignore[attr-defined]  # Engram fronts: no pass sites
         return RegionalStep(owner, manager, inner, dynamic=dynamic, progress=report, first=first,
-                            fullgraph=fullgraph, **compile_kwargs)
+                            front_backend=fronts, fullgraph=fullgraph, **compile_kwargs)
     compiled = torch.compile(fn, backend=inner, fullgraph=fullgraph, dynamic=dynamic, **compile_kwargs)
     name = getattr(cfg, "name", None) or type(owner).__name__
     what = f"the {name} step" + (f" (passes {','.join(manager.keys)})" if manager.keys else "")

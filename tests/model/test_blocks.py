@@ -315,8 +315,31 @@ def test_block_kind_names_the_roles_that_shape_the_graph(name):
         if cfg.is_v41 and a.ratio and not a.kv_source:  # reads the source's compressed KV, not its own ratio
             ratio = cfg.ratio(max(j for j in cfg.kv_source_layers if j <= b.layer_id)) if a.index_source else "shared"
         assert b.kind() == (ratio, a.kv_source, a.index_source, a.owns_index_keys, a.candidate_filtered,
-                            a.candidate_source, a.v4_indexer, b.has_engram, b.ffn.gate.hash)
+                            a.candidate_source, a.v4_indexer, b.ffn.gate.hash)
     kinds = [b.kind() for b in m.layers]
     assert 1 < len(set(kinds)) < len(kinds)  # some layers share a graph, not all
     if name == "tiny-v41":  # ratio-2 layers 3, 5 and ratio-1 layers 7, 9 only read shared KV: one kind
-        assert len({kinds[i] for i in (3, 5, 7, 9)}) == 1 and len(set(kinds)) == 7
+        assert len({kinds[i] for i in (3, 5, 7, 9)}) == 1 and len(set(kinds)) == 5
+        # an Engram runs in front of the core (its own graph): Engram layers 1 and 4 share layers 0's and 2's kind
+        assert kinds[1] == kinds[0] and kinds[4] == kinds[2] and m.layers[1].has_front and m.layers[4].has_front
+
+
+def test_block_is_its_core_after_its_engram_front():
+    """Block.forward = core(front(x)): the composition a per-layer compile repeats with each part compiled."""
+    import minidi
+    from minidi.model.context import ModelCache, SharedSlots, StepMeta
+
+    m = minidi.load_model("tiny-v41")
+    ids = torch.randint(0, m.cfg.vocab_size, (11,), generator=torch.Generator().manual_seed(5))
+    meta = StepMeta.for_sequence(ids, m.cfg.window_size, m.ratios, m.cfg.engram_max_ngram)
+    engram_ids = m.engram_ids(meta)
+    block = m.layers[1]
+    assert block.has_front
+    x = torch.randn(11, m.cfg.hc_mult, m.cfg.dim, generator=torch.Generator().manual_seed(6)).to(m.cfg.torch_dtype)
+    pre = torch.softmax(torch.randn(11, m.cfg.hc_mult, generator=torch.Generator().manual_seed(7)), -1)
+    with torch.no_grad():
+        whole, pre_w = block(x, pre, meta, ModelCache().layer(1), SharedSlots(), engram_ids[1])
+        front = block.front(x, engram_ids[1])
+        assert not torch.equal(front, x)  # the Engram changed the streams
+        parts, pre_p = block.core(front, pre, meta, ModelCache().layer(1), SharedSlots())
+    assert torch.equal(whole, parts) and torch.equal(pre_w, pre_p)

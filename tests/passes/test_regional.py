@@ -67,7 +67,9 @@ def regional():
 
 def test_one_graph_per_layer_kind(regional):
     kinds = [layer_kind(b) for b in regional.model.layers]
-    assert len(set(kinds)) == 7  # tiny-v41: layers 5, 7 and 9 (ratio 2 and 1, no KV source) reuse layer 3's graph
+    # tiny-v41: layers 5, 7 and 9 (ratio 2 and 1, no KV source) reuse layer 3's graph, the Engram layers 1 and 4
+    # those of layers 0 and 2 (their Engrams compile apart, one graph, outside the pass manager's history)
+    assert len(set(kinds)) == 5
     assert isinstance(regional.step, RegionalStep)
     # the graphs were compiled for the first layer of each kind, in layer order
     firsts = [i for i, k in enumerate(kinds) if k not in kinds[:i]]
@@ -150,7 +152,7 @@ def test_no_passes_regional():
     for out, ref in zip(plain.outs, plain.refs):
         assert (out - ref).abs().max().item() < TOL
     assert plain.histories[1] == plain.histories[0]
-    assert plain.step.graphs == 7  # one graph per layer kind
+    assert plain.step.graphs == 5  # one graph per layer kind (the Engram fronts compile apart)
     assert plain.step.counts == {}
     assert all(c == {} for c in plain.manager.history)
 
