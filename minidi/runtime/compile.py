@@ -218,8 +218,11 @@ class CompiledStep:
             self._progress(f"minidi.compile: compiling {self._what} as one graph ...")
             self.first_step.start()
         self.calls += 1
-        with _call_settings(self.dynamic, None):
-            out = self._compiled(*args, **kwargs)
+        try:
+            with _call_settings(self.dynamic, None):
+                out = self._compiled(*args, **kwargs)
+        finally:
+            self.first_step.triton.stop()  # also when the first call raised: no listener left behind
         if self.calls == 1:
             self.compile_s = self.first_step.finish(lambda: dict(self.pass_manager.counts))
         new = len(self.pass_manager.history) - graphs
@@ -341,6 +344,7 @@ class RegionalStep:
             ok = True
             return out
         finally:
+            self.first_step.triton.stop()  # also when the first call raised: no listener left behind
             self._close_layer()
             self.pass_manager.current_layer = None
             if first and ok:

@@ -47,3 +47,24 @@ def test_triton_compiles_count_compiles_and_cache_hits_and_chain_the_previous_li
         assert counter.seen
     finally:
         knobs.compilation.listener = previous
+
+
+def test_a_first_call_that_raises_leaves_no_listener_behind():
+    """The step puts Triton's listener back whether or not its first call succeeds."""
+    import torch
+
+    import minidi
+
+    if not TritonCompiles().available:
+        pytest.skip("this Triton has no compilation listener (triton.knobs.compilation.listener)")
+    from triton import knobs
+
+    before = knobs.compilation.listener
+
+    def bad(x):
+        return x @ x  # [2, 3] @ [2, 3]: the shapes do not match, so the first call raises
+
+    step = minidi.compile(bad, "none", backend="eager", dynamic=False)
+    with pytest.raises(Exception):
+        step(torch.ones(2, 3))
+    assert knobs.compilation.listener is before
