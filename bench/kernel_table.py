@@ -84,18 +84,6 @@ def _ops_by_thread(events: list[dict]) -> dict[tuple, list[_Op]]:
     return out
 
 
-def _innermost(ops: list[_Op], times: list[float]) -> list[_Op | None]:
-    """For each time (ascending) the innermost op holding it (ops in start order, longest first), or None."""
-    out, active, i = [], [], 0
-    for t in times:
-        while i < len(ops) and ops[i].start <= t:
-            active.append(ops[i])
-            i += 1
-        active = [o for o in active if o.end >= t]
-        out.append(active[-1] if active else None)
-    return out
-
-
 def _work(op: _Op | None) -> tuple[float | None, float | None]:
     return (None, None) if op is None else call_work(op.event, op.busy_children)
 
@@ -147,7 +135,7 @@ def _device_calls(events: list[dict], steps: list[dict]) -> tuple[list[_Call], f
     owner: dict[int, _Op | None] = {}
     for thread in {launch[0] for _, launch in device}:
         mine = sorted((launch[1], i) for i, (_, launch) in enumerate(device) if launch[0] == thread)
-        for (_, i), op in zip(mine, _innermost(ops.get(thread, []), [t for t, _ in mine])):
+        for (_, i), op in zip(mine, prefill_stages.innermost(ops.get(thread, []), [t for t, _ in mine])):
             owner[i] = op
             if op is not None:
                 op.launches += 1

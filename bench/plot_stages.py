@@ -28,6 +28,15 @@ def _pyplot():
     return plt
 
 
+def _save(fig, path: str | Path) -> Path:
+    """Lay the figure out and write it as a PNG (its folder made if missing)."""
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, format="png", dpi=120)
+    return path
+
+
 def plot_stage_table(stages: dict[str, float], title: str, path: str | Path) -> Path:
     """Write a horizontal bar chart of {category: ms/step} (first category on top, bars labelled with ms and % of
     the sum) to the PNG ``path``; returns the path."""
@@ -50,13 +59,9 @@ def plot_stage_table(stages: dict[str, float], title: str, path: str | Path) -> 
         ax.set_xlabel("ms per step")
         ax.set_xlim(0, max(ms) * 1.3 if max(ms) > 0 else 1.0)
         ax.set_title(f"{title}  (sum {total:.2f} ms/step)", fontsize=10)
-        fig.tight_layout()
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path, format="png", dpi=120)
+        return _save(fig, path)
     finally:
         plt.close(fig)
-    return path
 
 
 def context_series(records: list[dict]) -> tuple[dict[str, list[tuple[int, float | None]]], list[tuple[int, float]]]:
@@ -116,13 +121,9 @@ def plot_context(records: list[dict], title: str, path: str | Path) -> Path:
             ax.set_title(name, fontsize=9)
             ax.grid(alpha=0.3)
         fig.suptitle(title, fontsize=10)
-        fig.tight_layout()
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path, format="png", dpi=120)
+        return _save(fig, path)
     finally:
         plt.close(fig)
-    return path
 
 
 def _tokens(n: int) -> str:

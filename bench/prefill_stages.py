@@ -107,12 +107,14 @@ def _by_thread(ranges: list[_Range]) -> dict[tuple, list[_Range]]:
     return out
 
 
-def _innermost(ranges: list[_Range], times: list[float]) -> list[_Range | None]:
-    """For each time (sorted ascending) the innermost range of one thread holding it (latest start), or None."""
+def innermost(spans: list, times: list[float]) -> list:
+    """For each time (sorted ascending) the innermost span of one thread holding it (latest start), or None.
+    ``spans``: objects with ``start`` / ``end``, sorted by (start, longest first): stage ranges here, profiler ops
+    in ``kernel_table.py``."""
     out, active, i = [], [], 0
     for t in times:
-        while i < len(ranges) and ranges[i].start <= t:
-            active.append(ranges[i])
+        while i < len(spans) and spans[i].start <= t:
+            active.append(spans[i])
             i += 1
         active = [r for r in active if r.end >= t]  # still in start order: the last one is the innermost
         out.append(active[-1] if active else None)
@@ -138,7 +140,7 @@ def _device_stage_us(events: list[dict], ranges: list[_Range]) -> dict[str, floa
     threads = _by_thread(ranges)
     for thread, items in per_thread.items():
         items.sort()
-        owners = _innermost(threads.get(thread, []), [ts for ts, _ in items])
+        owners = innermost(threads.get(thread, []), [ts for ts, _ in items])
         for (_, dur), owner in zip(items, owners):
             out[owner.category if owner else OTHER] += dur
     return out
