@@ -3,7 +3,12 @@ grouped GEMM, at V4.1-Flash shapes on one GPU, in one run.
 
 Shapes: w1/w3 (N 2,304, K 5,120) and w2 (N 5,120, K 2,304); EP4 rank (96 experts x 256 rows) and EP1 (384 x 64),
 R = 24,576 rows either way; rows per expert uniform or skewed (lognormal popularity, sigma 1, same R). Compared:
-- fp8 op: ``fp8_fp4_grouped_mm`` on the split rows (its default config, + a sweep of configs on uniform rows);
+- gluon sm90: the Hopper Gluon kernel of the op (``fp8_grouped_gemm_sm90.py``, weight scales folded per row by
+  ``fold_fp4_rows``, computed once per weight tensor, not timed), on sm_90 with Triton 3.6; ``--ablate`` also times
+  its variants that drop a stage (wrong results, timing only): sync (every wait immediate), no promotion, no decode,
+  MMA only; ``--gluon-sweep`` other tile configs;
+- fp8 op (Triton): the Triton kernel of ``fp8_fp4_grouped_mm`` on the split rows (its default config, + a sweep of
+  configs on uniform rows);
 - fp8 op + split: the same with ``fq8_split`` of the rows in the timed call (what a pass that cannot fuse the split
   into the producer costs);
 - bf16 op: ``fp4_grouped_mm`` (weights decoded to bf16 in the kernel) on the fq8 rows in bf16;
@@ -16,6 +21,7 @@ The last line is one JSON object (``--out`` writes it).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -31,6 +37,7 @@ from minidi.model.quant import fq8  # noqa: E402
 from minidi.ops.fp4_grouped_gemm import fp4_dequant_ref, fp4_grouped_mm  # noqa: E402
 from minidi.ops.fp8_grouped_gemm import Fp8GemmConfig, default_config, launch  # noqa: E402
 from minidi.ops.fp8_quant import fq8_split  # noqa: E402
+from minidi.ops import fp8_grouped_gemm_sm90 as sm90  # noqa: E402
 
 if __package__:
     from . import common  # noqa: E402
@@ -48,6 +55,13 @@ SWEEP = [C(BM=128, BN=128, BK=128, num_warps=8, num_stages=3),
          C(BM=128, BN=64, BK=128, num_warps=4, num_stages=4),
          C(BM=64, BN=64, BK=128, num_warps=4, num_stages=4, progs_per_sm=2)]
 SWEEP_BUDGET_S = 150.0
+G = sm90.Sm90Config
+GLUON_SWEEP = [G(), G(dec_warps=8, dec_regs=48, maxnreg=96), G(NS=3),
+               G(BM=64, BN=256, NS=3, WM=1, WN=2, dec_regs=96),
+               G(BM=64, BN=256, NS=3, WM=1, WN=2, dec_warps=8, dec_regs=48, maxnreg=96),
+               G(BM=64, BN=256, NS=4, WM=1, WN=2, dec_regs=96)]
+ABLATIONS = {"sync": dict(PIPE=False), "no_promote": dict(ABLATE=1), "no_decode": dict(ABLATE=2),
+             "mma_only": dict(ABLATE=3)}
 
 
 def fp8_peak_tflops(device: str) -> float:
@@ -64,7 +78,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", default=None)
     ap.add_argument("--sweep", action="store_true", help="time the SWEEP configs on uniform rows")
+    ap.add_argument("--ablate", action="store_true", help="time the Gluon kernel's ablations on uniform rows")
+    ap.add_argument("--gluon-sweep", action="store_true", help="time the GLUON_SWEEP configs on uniform rows")
+    ap.add_argument("--no-triton-fp8", action="store_true", help="skip the (slow) Triton fp8 kernel")
     ap.add_argument("--cases", default="EP4,EP1", help="comma list of EP4, EP1")
+    ap.add_argument("--paths", default="w13,w2", help="comma list of w13, w2")
+    ap.add_argument("--dists", default="uniform,skewed", help="comma list of uniform, skewed")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--smoke", action="store_true", help="CPU dry run on tiny shapes (interpreter)")
     args = ap.parse_args(argv)
@@ -77,6 +96,7 @@ def main(argv: list[str] | None = None) -> dict:
     if not smoke:
         pk["fp8_tflops"] = float(f"{fp8_peak_tflops(device):.4g}")
     dev = "cpu (smoke)" if smoke else common.device_name(device)
+    gluon = not smoke and sm90.gluon_supported() and torch.cuda.get_device_capability() == (9, 0)
     common.say(f"fp8_fp4_grouped_mm bench | {dev} | torch {torch.__version__} | triton {triton.__version__} | "
                f"peaks: bf16 {pk['bf16_tflops']:.0f}, fp8 {pk.get('fp8_tflops', float('nan')):.0f} TFLOP/s")
     shapes = ((("EP4", 4, 40), ("EP1", 8, 8)), (("w13", 96, 128), ("w2", 64, 192))) if smoke else (
@@ -91,10 +111,13 @@ def main(argv: list[str] | None = None) -> dict:
         if ep not in wanted:
             continue
         for path, n, k in shapes[1]:
+            if path not in args.paths.split(","):
+                continue
             wp = torch.randint(-128, 128, (e, n, k // 2), dtype=torch.int8, device=device)
             ws = torch.randint(118, 123, (e, n, k // 32), dtype=torch.uint8, device=device).view(torch.float8_e8m0fnu)
             w_bf16 = dequant_chunked(wp, ws, lambda a, b: fp4_dequant_ref(a, b, torch.bfloat16))
-            for dist in ("uniform", "skewed"):
+            base = sm90.fold_fp4_rows(ws) if gluon else None  # once per weight tensor (weights are constant)
+            for dist in args.dists.split(","):
                 counts = make_counts(e, rows, dist, gen)
                 offs = counts.cumsum(0).to(torch.int32).to(device)
                 r = int(counts.sum())
@@ -107,21 +130,58 @@ def main(argv: list[str] | None = None) -> dict:
                 out = torch.empty_like(ref)
                 cfg = default_config(q.device, k, r / e)
                 launch(q, s, wp, ws, offs, out, cfg)
-                timed = {
-                    "fp8_op": lambda: launch(q, s, wp, ws, offs, out, cfg),
-                    "fp8_op_with_split": lambda: launch(*fq8_split(x, 32), wp, ws, offs, out, cfg),
+                gcfg = sm90.default_config(r / e)
+                timed = {}
+                if base is not None:
+                    out_g = torch.full_like(ref, float("nan"))
+                    sm90.launch_sm90(q, s, wp, ws, base, offs, out_g, gcfg)
+                    case["gluon_check"] = check(out_g, ref)
+                    timed["gluon_sm90"] = lambda: sm90.launch_sm90(q, s, wp, ws, base, offs, out_g, gcfg)
+                if not args.no_triton_fp8:
+                    timed["fp8_op"] = lambda: launch(q, s, wp, ws, offs, out, cfg)
+                    timed["fp8_op_with_split"] = lambda: launch(*fq8_split(x, 32), wp, ws, offs, out, cfg)
+                timed.update({
                     "fq8_split_alone": lambda: fq8_split(x, 32),
                     "bf16_op": lambda: fp4_grouped_mm(x, wp, ws, offs),
                     "grouped_mm_bf16": lambda: grouped_mm(x, w_bf16, offs),
-                }
+                })
                 for name, fn in timed.items():
                     t = ms(fn)
                     case[name] = {"ms": round(t, 4), "tflops": round(flops / t / 1e9, 1)}
                 case["fq8_split_alone"]["gbps"] = round(r * k * (2 + 1 + 4 / 32) / case["fq8_split_alone"]["ms"] / 1e6)
-                case["fp8_op"]["config"] = cfg.name()
-                case["fp8_op"].update(check(out, ref))
-                case["fp8_op"]["pct_fp8_peak"] = round(100 * case["fp8_op"]["tflops"] / pk.get("fp8_tflops", 1), 1)
-                case["fp8_op"]["x_vs_bf16_op"] = round(case["bf16_op"]["ms"] / case["fp8_op"]["ms"], 2)
+                fp8_peak = pk.get("fp8_tflops", 1)
+                if "fp8_op" in case:
+                    case["fp8_op"]["config"] = cfg.name()
+                    case["fp8_op"].update(check(out, ref))
+                    case["fp8_op"]["pct_fp8_peak"] = round(100 * case["fp8_op"]["tflops"] / fp8_peak, 1)
+                    case["fp8_op"]["x_vs_bf16_op"] = round(case["bf16_op"]["ms"] / case["fp8_op"]["ms"], 2)
+                if "gluon_sm90" in case:
+                    g = case["gluon_sm90"]
+                    g["config"] = gcfg.name()
+                    g.update(case.pop("gluon_check"))
+                    g["pct_fp8_peak"] = round(100 * g["tflops"] / fp8_peak, 1)
+                    g["x_vs_bf16_op"] = round(case["bf16_op"]["ms"] / g["ms"], 2)
+                    g["x_vs_grouped_mm_bf16"] = round(case["grouped_mm_bf16"]["ms"] / g["ms"], 2)
+                    if "fp8_op" in case:
+                        g["x_vs_triton_fp8"] = round(case["fp8_op"]["ms"] / g["ms"], 2)
+                gl_rows = []
+                if base is not None and dist == "uniform" and (args.ablate or args.gluon_sweep):
+                    variants = [(n_, dataclasses.replace(gcfg, **kw)) for n_, kw in ABLATIONS.items()] if args.ablate \
+                        else []
+                    variants += [(c.name(), c) for c in GLUON_SWEEP] if args.gluon_sweep else []
+                    for vname, vcfg in variants:
+                        row = {"variant": vname, "config": vcfg.name()}
+                        try:
+                            o = torch.full_like(ref, float("nan"))
+                            sm90.launch_sm90(q, s, wp, ws, base, offs, o, vcfg)
+                            if vcfg.ABLATE == 0:
+                                row.update(check(o, ref))
+                            t = ms(lambda: sm90.launch_sm90(q, s, wp, ws, base, offs, o, vcfg))
+                            row.update(ms=round(t, 4), tflops=round(flops / t / 1e9, 1))
+                        except Exception as err:  # a config that does not compile / fit: report it
+                            row["error"] = f"{type(err).__name__}: {str(err)[:200]}"
+                        gl_rows.append(row)
+                case["gluon_variants"] = gl_rows
                 sweep = []
                 if args.sweep and dist == "uniform":
                     for c in SWEEP:
@@ -141,15 +201,21 @@ def main(argv: list[str] | None = None) -> dict:
                         sweep.append(row)
                 case["sweep"] = sweep
                 cases.append(case)
-                common.say(f"{ep} {path} {dist:<8} fp8 {case['fp8_op']['tflops']:7.1f} TFLOP/s "
-                           f"({case['fp8_op']['ms']:.3f} ms, ok {case['fp8_op']['ok']}) | +split "
-                           f"{case['fp8_op_with_split']['tflops']:7.1f} | bf16 op {case['bf16_op']['tflops']:7.1f} | "
-                           f"grouped_mm bf16 {case['grouped_mm_bf16']['tflops']:7.1f} | split "
-                           f"{case['fq8_split_alone']['gbps']} GB/s")
+                def tf(name: str) -> str:
+                    return f"{case[name]['tflops']:7.1f}" if name in case else "    n/a"
+
+                gk = case.get("gluon_sm90", {})
+                common.say(f"{ep} {path} {dist:<8} gluon {tf('gluon_sm90')} TFLOP/s ({gk.get('ms', float('nan')):.3f} "
+                           f"ms, {gk.get('pct_fp8_peak', '')}% fp8, ok {gk.get('ok', '')}) | triton fp8 "
+                           f"{tf('fp8_op')} | bf16 op {tf('bf16_op')} | grouped_mm bf16 {tf('grouped_mm_bf16')} | "
+                           f"split {case['fq8_split_alone']['gbps']} GB/s")
+                for row in gl_rows:
+                    common.say(f"    gluon {row['variant']:<34} {row.get('tflops', '')!s:>8} {row.get('ok', '')!s:>6} "
+                               f"{row.get('error', '')[:80]}")
                 for row in sweep:
                     common.say(f"    {row['config']:<28} {row.get('tflops', '')!s:>8} {row.get('ok', '')!s:>6} "
                                f"{row.get('error', '')[:80]}")
-                x = q = s = ref = out = None
+                x = q = s = ref = out = out_g = None
             wp = ws = w_bf16 = None
             if not smoke:
                 torch.cuda.empty_cache()

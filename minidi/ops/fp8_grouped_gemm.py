@@ -10,6 +10,10 @@ issue defines them): for each K block b of 32, partial = FP8 MMA of the block's 
 e4m3 value: a 16-entry table), then acc += partial * s_x[r, b] * s_w[n, b] in fp32. Every product is the bf16
 path's product; only the order of the fp32 sums and the tensor core's accumulation inside a block differ.
 
+GPU path on Hopper (sm_90, Triton 3.6): the warp-specialised Gluon kernel of ``fp8_grouped_gemm_sm90.py`` (the
+weights' scales folded per output row where lossless, ``fold_fp4_rows``); elsewhere, and for weights that do not
+fold, the Triton kernel below (also the interpreter-tested path on CPU).
+
 Kernel (persistent; the tile schedule of ``_grouped_tiles.py``, from ``offs`` on the device): a tile is BN weight
 rows x BM activation rows of one expert, computed transposed, acc[BN, BM] = W[BN, K] @ x[BM, K]^T, so that the
 decoded weights are the MMA's A operand (from registers) and an expert's rows its N dimension. K advances BK at a
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import triton
@@ -31,6 +36,7 @@ import triton.language as tl
 
 from minidi.formats import FP4_BLOCK, dequant_fp4
 
+from . import fp8_grouped_gemm_sm90 as sm90
 from ._triton_formats import e8m0_to_fp32
 from ._grouped_tiles import e_pow2, expert_m_tiles, m_tile_rows
 from ._triton_utils import cannot_run, interpreting, num_sms, resolve_backend, triton_can_run
@@ -161,7 +167,7 @@ def launch(q: torch.Tensor, s: torch.Tensor, w_packed: torch.Tensor, w_scale: to
 
 
 def _check(q: torch.Tensor, s: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor, offs: torch.Tensor,
-           out_dtype: torch.dtype) -> None:
+           out_dtype: torch.dtype, w_row_base: torch.Tensor | None = None) -> None:
     def fail(what: str) -> None:
         raise ValueError(f"fp8_fp4_grouped_mm: {what}")
 
@@ -185,6 +191,10 @@ def _check(q: torch.Tensor, s: torch.Tensor, w_packed: torch.Tensor, w_scale: to
         fail(f"offs must be [E] = [{e}] int32 (cumulative row ends), got {tuple(offs.shape)} {offs.dtype}")
     if out_dtype not in OUT_DTYPES:
         fail(f"out_dtype must be one of {OUT_DTYPES}, got {out_dtype}")
+    if w_row_base is not None and (w_row_base.dtype != torch.int32 or tuple(w_row_base.shape) != (e, n)
+                                   or w_row_base.device != q.device):
+        fail(f"w_row_base must be [E, N] = [{e}, {n}] int32 on {q.device} (fold_fp4_rows of w_scale), got "
+             f"{tuple(w_row_base.shape)} {w_row_base.dtype} on {w_row_base.device}")
     devs = {t.device for t in (q, s, w_packed, w_scale, offs)}
     if len(devs) != 1:
         fail(f"q, s, w_packed, w_scale and offs must be on one device, got {sorted(map(str, devs))}")
@@ -196,17 +206,23 @@ def _unit_last(t: torch.Tensor) -> torch.Tensor:
 
 @torch.library.custom_op("minidi::fp8_fp4_grouped_mm", mutates_args=())
 def _fp8_fp4_grouped_mm_op(q: torch.Tensor, s: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor,
-                           offs: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+                           offs: torch.Tensor, out_dtype: torch.dtype,
+                           w_row_base: Optional[torch.Tensor] = None) -> torch.Tensor:
     if not triton_can_run(q, s, w_packed, w_scale, offs):
         raise cannot_run("minidi::fp8_fp4_grouped_mm", q, s, w_packed, w_scale, offs)
     q, s, w_packed, w_scale = _unit_last(q), _unit_last(s), _unit_last(w_packed), _unit_last(w_scale)
     out = torch.empty(q.shape[0], w_packed.shape[1], dtype=out_dtype, device=q.device)
+    if sm90.can_run(q, w_packed):  # Hopper: the Gluon kernel, where the weights' scales fold (else exact Triton)
+        base = w_row_base if w_row_base is not None else sm90.fold_fp4_rows(w_scale)
+        if base is not None:
+            sm90.launch_sm90(q, s, w_packed, w_scale, base, offs.contiguous(), out)
+            return out
     launch(q, s, w_packed, w_scale, offs.contiguous(), out)
     return out
 
 
 @_fp8_fp4_grouped_mm_op.register_fake
-def _(q, s, w_packed, w_scale, offs, out_dtype):
+def _(q, s, w_packed, w_scale, offs, out_dtype, w_row_base=None):
     return q.new_empty(q.shape[0], w_packed.shape[1], dtype=out_dtype)
 
 
@@ -223,14 +239,20 @@ def _(q, s, w_packed, w_scale, offs, out_dtype):
 
 def fp8_fp4_grouped_mm(q: torch.Tensor, s: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor,
                        offs: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16,
-                       backend: str = "auto") -> torch.Tensor:
+                       backend: str = "auto", w_row_base: torch.Tensor | None = None) -> torch.Tensor:
     """Grouped GEMM over experts on FP8 tensor cores. q [R, K] float8_e4m3fn and s [R, K/32] fp32 (``fq8_split`` of
     the rows, sorted by expert); w_packed [E, N, K/2] int8 (two e2m1 codes per byte, element 2i in the low nibble);
     w_scale [E, N, K/32] float8_e8m0fnu; offs [E] int32 cumulative row ends (non-decreasing, offs[-1] <= R).
     Returns y [R, N] in ``out_dtype``: y[r] = (q[r] * s[r]) @ dequant(w)[e(r)].T, fp32 accumulation, for
     r < offs[-1]; the rows past offs[-1] are not written (garbage; the ref backend gives zeros). ``backend``: "auto"
-    (the kernel where it can run, else the reference), "triton" or "ref" (plain torch, one expert at a time)."""
-    _check(q, s, w_packed, w_scale, offs, out_dtype)
+    (the kernel where it can run, else the reference), "triton" (the GPU / interpreter kernel: on sm_90 the Gluon
+    kernel where the weight scales fold) or "ref" (plain torch, one expert at a time). ``w_row_base``: the weights'
+    ``fold_fp4_rows(w_scale)``, computed once per weight tensor (without it, the sm_90 path computes it every call,
+    one host sync); ignored elsewhere."""
+    _check(q, s, w_packed, w_scale, offs, out_dtype, w_row_base)
     if resolve_backend(backend, "fp8_fp4_grouped_mm", q, s, w_packed, w_scale, offs) == "ref":
         return _fp8_fp4_grouped_mm_ref_op(q, s, w_packed, w_scale, offs, out_dtype)
-    return _fp8_fp4_grouped_mm_op(q, s, w_packed, w_scale, offs, out_dtype)
+    return _fp8_fp4_grouped_mm_op(q, s, w_packed, w_scale, offs, out_dtype, w_row_base)
+
+
+fold_fp4_rows = sm90.fold_fp4_rows
