@@ -117,6 +117,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--expert_loads", action="store_true",
                     help="after the modes, one eager step that records the router's rows per local expert and layer "
                          "(bench/expert_loads.py; OUT_DIR/<model>_ep<N>_expert_loads.json)")
+    ap.add_argument("--logits_out", default=None, metavar="PREFIX",
+                    help="save each mode's first-step logits to PREFIX.<mode>.pt (to compare runs bitwise)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--result_jsonl", default=None)
     ap.add_argument("--out_dir", default=None, help="traces and PNGs (default: next to --result_jsonl, or ./bench_out)")
@@ -199,6 +201,8 @@ def run_mode(mode: str, wl, args, card: dict, out_dir: Path, held: dict | None =
         with phase("first step" + (" (compiles)" if mode != "eager" and not reused else "")) as first:
             logits = run()
             common.sync(device)
+        if args.logits_out:  # the first step's logits, to compare two processes (a cold and a warm start) bitwise
+            torch.save(logits.cpu(), f"{args.logits_out}.{mode}.pt")
         if args.warmup > 1:
             with phase(f"warm-up ({args.warmup - 1} step{'s' * (args.warmup > 2)})"):
                 ticker = common.Ticker(f"[{mode}] warm-up steps", args.warmup - 1)
@@ -232,6 +236,8 @@ def run_mode(mode: str, wl, args, card: dict, out_dir: Path, held: dict | None =
         "gpu_busy_ms": prof.gpu_busy_ms and round(prof.gpu_busy_ms, 3),
         "profile_steps": args.profile_steps, "profiled_step_sums_ms": [round(v, 3) for v in prof.step_sums],
         "pass_matches": pass_matches(step), "first_step_s": round(first.seconds, 1), "step_reused": reused,
+        # from minidi.compile to the first step's logits (a warm start loads its precompiled graphs in the former)
+        "startup_s": None if reused else round(phase.seconds.get("make step", 0.0) + first.seconds, 1),
         **(compile_record(step) if not reused else dict.fromkeys(COMPILE_RECORD_KEYS)),
         "logits_finite": bool(torch.isfinite(logits).all()), "stage_markers": not args.no_stage_markers,
         "cuda_graph": False, "trace": trace.name if trace else None,
@@ -489,6 +495,7 @@ def _report_mode(res: dict, args) -> None:
     common.say(f"[{mode}] {res['ms_per_step']:.2f} ms/step (median {res['ms_per_step_median']:.2f}) | "
                f"{res['input_tok_per_s_per_gpu']:,.0f} input tok/s/GPU | MFU {100 * res['mfu']:.1f}% of the "
                f"measured peak | {res['tflop_per_step']} TFLOP/step | first step {res['first_step_s']}s"
+               + (f" (start-up {res['startup_s']}s)" if res.get("startup_s") and mode != "eager" else "")
                + ((" (compiled step reused)" if mode != "eager" else " (step reused)") if res["step_reused"] else "")
                + (f" (compile cache {res['cache']})" if res["cache"] else "")
                + (f" | pass matches {res['pass_matches']}" if res["pass_matches"] else ""))

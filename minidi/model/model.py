@@ -104,7 +104,7 @@ class Block(nn.Module):
                 shared: SharedSlots, engram_ids: torch.Tensor | None = None):
         """x [T, n, D] streams; ``cache`` this layer's tensors; ``engram_ids`` this layer's hash ids (Engram layers).
         The layer is ``core`` after ``front`` (a per-layer compile compiles the two apart, composed the same way:
-        ``minidi.runtime.compile.RegionalStep``). Returns (streams, pre for next)."""
+        ``minidi.runtime.regional.RegionalStep``). Returns (streams, pre for next)."""
         if self.has_front:
             x = self.front(x, engram_ids)
         return self.core(x, pre, meta, cache, shared)

@@ -2,7 +2,7 @@
 
 Model-agnostic: the manager knows passes, not models. What a model must match comes in as data (``expected``: pass
 key -> layer of every site; ``minidi.runtime.compile.expected_sites(cfg)`` derives it from a config), and the
-backend, ``minidi.compile`` and per-layer compilation live in ``minidi/runtime/compile.py``.
+backend and ``minidi.compile`` live in ``minidi/runtime/compile.py``, per-layer compilation in ``regional.py``.
 
 Graph level: the passes rewrite the **Dynamo FX graph** (torch-level calls: one ``einsum`` node, ``index_copy_``,
 ``cat``, ``where``) inside a custom ``torch.compile`` backend, which then hands the rewritten GraphModule to the inner
@@ -167,6 +167,22 @@ class PassManager(_PassBase):
                  "" if self.current_layer is None else f" for layer {self.current_layer}", counts)
         self._check(counts, sites)
         return counts
+
+    def restore(self, layer: int, counts: dict[str, int]) -> None:
+        """Record the counts of a graph compiled for ``layer`` in another process (a warm start from precompiled
+        graphs, which runs no passes), checked against the expected sites of that layer as ``run`` checks them."""
+        missing = [k for k in self.keys if k not in counts]
+        if missing:
+            raise PassMatchError(f"minidi passes: recorded counts for layer {layer} lack passes {missing}")
+        counts = {k: int(counts[k]) for k in self.keys}
+        self.current_layer = layer
+        try:
+            self.counts, self.sites = counts, {k: [layer] * n for k, n in counts.items()}
+            self.history.append(dict(counts))
+            self.layer_counts[layer] = dict(counts)
+            self._check(counts, self.sites)
+        finally:
+            self.current_layer = None
 
     def _check(self, counts: dict[str, int], sites: dict[str, list[int | None]]) -> None:
         if not self.expected:

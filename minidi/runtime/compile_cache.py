@@ -48,10 +48,12 @@ from typing import Any
 
 import torch
 
+from minidi.model import stages
+
 log = logging.getLogger("minidi.compile")
 
-MANIFEST, ARTIFACTS, TRITON = "manifest.json", "artifacts.bin", "triton.tar"
-FORMAT = 1  # manifest layout version: a change makes every older entry a miss
+MANIFEST, ARTIFACTS, TRITON, PRECOMPILED = "manifest.json", "artifacts.bin", "triton.tar", "precompiled.bin"
+FORMAT = 2  # manifest layout version: a change makes every older entry a miss
 
 
 @functools.cache
@@ -103,7 +105,7 @@ def key_fields(model: Any, *, passes: list[str], strict: bool, op_backend: str, 
     return _jsonable({
         "format": FORMAT, "config": config, "engram_rows": getattr(model, "engram_rows", None),
         "passes": list(passes), "strict": strict, "op_backend": op_backend, "faithful_rounding": faithful_rounding,
-        "dynamic": dynamic, "regional": regional, "fullgraph": fullgraph,
+        "dynamic": dynamic, "regional": regional, "fullgraph": fullgraph, "stage_markers": stages.enabled(),
         "backend": backend if isinstance(backend, str) else f"{backend.__module__}.{backend.__qualname__}",
         "compile_kwargs": {k: repr(v) for k, v in sorted(compile_kwargs.items())},
         "minidi_source": source_hash(), **version_fields(), **device_fields(device_of(model)),
@@ -141,6 +143,7 @@ class CompileCache:
         self.path = self.root / self.key
         self.status, self.reason = "off", ""
         self.manifest: dict[str, Any] | None = None
+        self.precompiled: bytes | None = None  # a hit's precompiled graphs (``precompiled.py``), if it saved any
         self.artifact_bytes, self.load_s, self.save_s = 0, 0.0, 0.0
         self.saved = False
 
@@ -178,14 +181,17 @@ class CompileCache:
         if hashlib.sha256(blob).hexdigest() != want_sha:
             return "miss", (f"corrupted entry: {ARTIFACTS} ({len(blob)} bytes) does not match the sha256 its manifest "
                             "recorded")
-        kernels = b""
-        if manifest.get("triton_sha256"):
+        optional: dict[str, bytes] = {}  # the entry's other files its manifest vouches for (absent: not saved)
+        for name, sha_field in ((TRITON, "triton_sha256"), (PRECOMPILED, "precompiled_sha256")):
+            if not manifest.get(sha_field):
+                continue
             try:
-                kernels = (self.path / TRITON).read_bytes()
+                optional[name] = (self.path / name).read_bytes()
             except OSError as e:
-                return "miss", f"stale entry: {TRITON} unreadable ({type(e).__name__})"
-            if hashlib.sha256(kernels).hexdigest() != manifest["triton_sha256"]:
-                return "miss", f"corrupted entry: {TRITON} does not match the sha256 its manifest recorded"
+                return "miss", f"stale entry: {name} unreadable ({type(e).__name__})"
+            if hashlib.sha256(optional[name]).hexdigest() != manifest[sha_field]:
+                return "miss", f"corrupted entry: {name} does not match the sha256 its manifest recorded"
+        kernels, precompiled = optional.get(TRITON, b""), optional.get(PRECOMPILED)
         try:
             info = torch.compiler.load_cache_artifacts(blob)
         except Exception as e:  # a format torch no longer reads: rebuilt, never half-used
@@ -198,7 +204,8 @@ class CompileCache:
             except (OSError, tarfile.TarError) as e:  # costs these kernels' JIT compiles, not the hit
                 log.warning("minidi.compile: compile cache: saved Triton kernels not restored (%s: %s)",
                             type(e).__name__, e)
-        self.manifest, self.artifact_bytes = manifest, len(blob) + len(kernels)
+        self.manifest, self.precompiled = manifest, precompiled
+        self.artifact_bytes = len(blob) + len(kernels) + len(precompiled or b"")
         return "hit", ""
 
     def _nearest_note(self) -> str:
@@ -227,8 +234,11 @@ class CompileCache:
                         "rewritten", self.path, counts, recorded)
             self.status, self.reason = "miss", f"pass counts {counts} differ from the entry's {recorded}"
 
-    def save(self, counts: dict[str, int] | None, compile_s: float) -> None:
-        """Write the entry (after a miss): the artifacts this process recorded and the manifest, atomically."""
+    def save(self, counts: dict[str, int] | None, compile_s: float, *, precompiled: bytes | None = None,
+             layer_counts: dict[int, dict[str, int]] | None = None) -> None:
+        """Write the entry (after a miss): the artifacts this process recorded and the manifest, atomically; with
+        ``precompiled`` (the layers' ahead-of-time graphs) also those and ``layer_counts`` (the pass counts of each
+        layer that compiled a graph: a warm start that loads them runs no passes)."""
         if self.status == "hit":
             return
         t0 = time.perf_counter()
@@ -244,22 +254,31 @@ class CompileCache:
                     "artifact_bytes": len(blob), "artifacts": kinds, "counts": counts,
                     "triton_sha256": hashlib.sha256(kernels).hexdigest() if kernels else None,
                     "triton_bytes": len(kernels), "triton_kernels": n_kernels,
+                    "precompiled_sha256": hashlib.sha256(precompiled).hexdigest() if precompiled else None,
+                    "precompiled_bytes": len(precompiled or b""),
+                    "layer_counts": {str(k): v for k, v in (layer_counts or {}).items()} if precompiled else None,
                     "compile_s": round(compile_s, 1), "written": time.strftime("%Y-%m-%d %H:%M:%S")}
         self.path.mkdir(parents=True, exist_ok=True)
         tmp = f".tmp{os.getpid()}"
         (self.path / (ARTIFACTS + tmp)).write_bytes(blob)
         if kernels:
             (self.path / (TRITON + tmp)).write_bytes(kernels)
+        if precompiled:
+            (self.path / (PRECOMPILED + tmp)).write_bytes(precompiled)
         (self.path / (MANIFEST + tmp)).write_text(json.dumps(manifest, indent=1, sort_keys=True))
         # the artifacts first, then the manifest that vouches for them: a reader never sees a manifest whose
         # artifacts are still being written (a torn pair fails the sha256 check and is rebuilt)
         os.replace(self.path / (ARTIFACTS + tmp), self.path / ARTIFACTS)
         if kernels:
             os.replace(self.path / (TRITON + tmp), self.path / TRITON)
+        if precompiled:
+            os.replace(self.path / (PRECOMPILED + tmp), self.path / PRECOMPILED)
         os.replace(self.path / (MANIFEST + tmp), self.path / MANIFEST)
-        self.artifact_bytes, self.saved = len(blob) + len(kernels), True
+        self.artifact_bytes, self.saved = len(blob) + len(kernels) + len(precompiled or b""), True
         if n_kernels:
             kinds["minidi triton kernel dirs"] = n_kernels
+        if precompiled:
+            kinds[f"precompiled graphs ({len(precompiled) / 1e6:.1f} MB)"] = 1
         self.save_s = time.perf_counter() - t0
         log.info("minidi.compile: compile cache saved: %s (%.1f MB, %s; %.1f s)", self.path, len(blob) / 1e6,
                  ", ".join(f"{v} {k}" for k, v in kinds.items()) or "no artifacts listed", self.save_s)

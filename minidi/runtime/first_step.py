@@ -87,8 +87,10 @@ class FirstStep:
     """What the first call of a compiled step (``compile.py``) measures and does: the split of its seconds
     (``compile_s``) and the compile cache's check and save (``cache``: a ``CompileCache`` or None)."""
 
-    # torch's own phases worth reporting (dynamo_timed names; absent ones are skipped)
-    PHASES = {"dynamo": "_compile.compile_inner", "aot": "create_aot_dispatcher_function",
+    # torch's own phases worth reporting (dynamo_timed names; absent ones are skipped). Dynamo's (backend included)
+    # is ``fullgraph_capture`` where the layers are compiled ahead of time (``precompiled.py``)
+    DYNAMO = ("_compile.compile_inner", "fullgraph_capture")
+    PHASES = {"aot": "create_aot_dispatcher_function",
               "inductor_lowering": "GraphLowering.run", "inductor_codegen": "GraphLowering.compile_to_module",
               "kernel_compile_wait": "async_compile.wait"}
 
@@ -97,6 +99,9 @@ class FirstStep:
         self.t0, self.torch0, self.mine0 = 0.0, {}, {}
         self.detail: dict[str, float] = {}  # every torch phase of the first call (``phase_detail``)
         self.triton = TritonCompiles()
+        # () -> (precompiled graphs' bytes or None, per-layer pass counts): what a compile cache entry also keeps
+        # when the layers were compiled ahead of time (``precompiled.py``); set by ``minidi.compile``
+        self.precompiled: Callable[[], tuple[bytes | None, dict[int, dict[str, int]]]] | None = None
 
     def start(self) -> None:
         self.t0, self.torch0, self.mine0 = time.perf_counter(), _torch_compile_seconds(), dict(self.times)
@@ -110,6 +115,9 @@ class FirstStep:
         self.detail = phase_detail(delta)
         mine = {k: self.times[k] - self.mine0.get(k, 0.0) for k in self.times}
         out = {"first_step": total, "passes": mine["passes"], "backend": mine["backend"]}
+        dynamo = [delta[k] for k in self.DYNAMO if k in delta]
+        if dynamo:
+            out["dynamo"] = sum(dynamo)
         for name, key in self.PHASES.items():
             if key in delta:
                 out[name] = delta[key]
@@ -126,8 +134,9 @@ class FirstStep:
                 c = None
             if c is not None:
                 self.cache.check_counts(c)
+                blob, layer_counts = self.precompiled() if self.precompiled is not None else (None, None)
                 try:
-                    self.cache.save(c, total)
+                    self.cache.save(c, total, precompiled=blob, layer_counts=layer_counts)
                 except OSError as e:  # a full or read-only disk costs the next start its warm cache, not this step
                     log.warning("minidi.compile: compile cache not saved to %s (%s: %s)", self.cache.path,
                                 type(e).__name__, e)

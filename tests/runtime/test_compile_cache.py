@@ -1,14 +1,16 @@
 """The compile cache (``minidi.compile(..., compile_cache=DIR)``, ``runtime/compile_cache.py``).
 
-- A cold run in one process saves the entry; a fresh process with an empty Inductor cache folder loads it, hits
-  Inductor's FX graph cache and AOTAutograd's cache, reruns the passes to the same counts and returns bitwise the
-  same logits. A corrupted artifact file is detected, not loaded, and the entry rebuilt.
+- A cold run in one process saves the entry (with the layer's graph precompiled: ``runtime/precompiled.py``); a
+  fresh process with an empty Inductor cache folder loads it, calls the precompiled graph without Dynamo (no
+  tracing, no passes: the entry's counts, checked against the expected sites) and returns bitwise the same logits.
+  A corrupted artifact or precompiled-graph file is detected, not loaded, and the entry rebuilt.
 - A different key (other passes, a changed config field) never reads another key's entry, and the miss says which
   fields differ; a manifest that does not vouch for its folder's key or artifacts is a miss.
 
 The end-to-end test compiles a one-layer tiny V4.1 with Inductor in child processes (~1.5 min on 2 cores: one
 cold compile, one warm start that still runs the C++ compiler on a fresh folder, one cheap rebuild); the rest needs
-no compile.
+no compile. Also: the stage markers' switch (a global the graphs depend on, whose guard a precompiled graph cannot
+keep) is part of the key.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from pathlib import Path
 import torch
 
 import minidi
-from minidi.runtime.compile_cache import ARTIFACTS, MANIFEST, CompileCache, differing, key_fields
+from minidi.runtime.compile_cache import ARTIFACTS, MANIFEST, PRECOMPILED, CompileCache, differing, key_fields
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -44,10 +46,12 @@ def fields_of(model, passes=("A", "C"), **kw) -> dict:
     return key_fields(model, **{**args, **kw})
 
 
-def write_entry(cache: CompileCache, blob: bytes, sha: str | None = None, fields: dict | None = None) -> None:
+def write_entry(cache: CompileCache, blob: bytes, sha: str | None = None, fields: dict | None = None,
+                **extra: object) -> None:
     cache.path.mkdir(parents=True, exist_ok=True)
     (cache.path / ARTIFACTS).write_bytes(blob)
-    manifest = {"fields": fields or cache.fields, "artifacts_sha256": sha or hashlib.sha256(blob).hexdigest()}
+    manifest = {"fields": fields or cache.fields, "artifacts_sha256": sha or hashlib.sha256(blob).hexdigest(),
+                **extra}
     (cache.path / MANIFEST).write_text(json.dumps(manifest))
 
 
@@ -65,6 +69,14 @@ def test_key_changes_with_passes_config_and_settings():
         assert differing(base, other) == [field]
     for name in ("minidi_source", "torch", "triton", "python", "device", "device_name", "TRITON_INTERPRET"):
         assert name in base
+    from minidi.model import stages
+
+    was = stages.enabled()
+    try:
+        stages.enabled(not was)  # traced graphs hold the markers or not: another key
+        assert differing(base, fields_of(model)) == ["stage_markers"]
+    finally:
+        stages.enabled(was)
 
 
 def test_other_key_is_a_miss_naming_the_fields(tmp_path, caplog):
@@ -88,6 +100,13 @@ def test_corrupted_or_foreign_entries_are_misses(tmp_path):
     assert cache.load() == "miss" and cache.reason == "stale entry: key fields differ from its manifest (passes)"
     (cache.path / MANIFEST).write_text("{not json")
     assert cache.load() == "miss" and "manifest unreadable" in cache.reason
+    # precompiled graphs the manifest vouches for: absent, or other bytes than it recorded
+    write_entry(cache, b"x", precompiled_sha256=hashlib.sha256(b"graphs").hexdigest())
+    assert cache.load() == "miss" and cache.reason == f"stale entry: {PRECOMPILED} unreadable (FileNotFoundError)"
+    (cache.path / PRECOMPILED).write_bytes(b"other graphs")
+    assert cache.load() == "miss" and cache.reason == (f"corrupted entry: {PRECOMPILED} does not match the sha256 "
+                                                       "its manifest recorded")
+    assert cache.precompiled is None
 
 
 def test_new_triton_kernels_are_packed_and_unpacked_inside_the_folder(tmp_path, monkeypatch):
@@ -161,8 +180,10 @@ def test_save_then_warm_start_in_fresh_processes(tmp_path):
     # a fresh process and an empty Inductor folder: everything it skips comes from the saved entry
     warm = run_child(tmp_path, "warm", "inductor_b")
     assert warm["cache"]["status"] == "hit" and not warm["cache"]["saved"], warm["cache"]
-    assert warm["fx_hits"] == 1 and warm["aot_hits"] == 1  # Inductor's lowering and AOT tracing were skipped
-    assert warm["counts"] == cold["counts"]  # the passes ran again on the traced graph, strict
+    # the layer's graph was precompiled: loaded and called without Dynamo (no tracing, no passes, no caches asked)
+    assert "1 precompiled graph(s) loaded" in warm["log"] and "dynamo" not in warm["compile_s"], warm["compile_s"]
+    assert warm["fx_hits"] == 0 and warm["aot_hits"] == 0 and warm["compile_s"]["passes"] == 0
+    assert warm["counts"] == cold["counts"]  # the entry's per-layer counts, checked against the expected sites
     assert torch.equal(warm["logits"], cold["logits"])  # bitwise
     # a corrupted artifact file: detected, not loaded, rebuilt (from inductor_b's local caches: cheap) and rewritten
     entry = Path(cold["cache"]["path"])

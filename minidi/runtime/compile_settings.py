@@ -1,0 +1,102 @@
+"""The settings a compiled step runs under, and its progress lines (``compile.py``, ``regional.py``).
+
+- **Shape settings** (``dynamic_shape_config``, ``call_settings``): one graph for every batch shape, applied around
+  every call of a compiled step (Dynamo reads them when it traces, which is on a call that misses its cache),
+  together with raised recompile limits for per-layer compilation. Nothing is set globally: after a call
+  ``torch._dynamo.config`` is what it was.
+- **Rounding** (``rounding_config``): Inductor rounds fused intermediates where eager rounds (``faithful_rounding``);
+  CPU graphs (or any with ``"exact"``) run ATen's reduction and transcendental kernels (``exact_cpu.py``).
+- **Progress** (``Progress``, ``cache_note``, ``inductor_cache_counts``): lines to the ``minidi.compile`` logger (and
+  an optional callback), with the hits / misses of Inductor's FX graph cache and AOTAutograd's cache.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections import Counter
+from typing import Callable
+
+import torch
+
+from minidi.runtime.exact_cpu import all_cpu, aten_kernels
+
+log = logging.getLogger("minidi.compile")
+
+RECOMPILE_LIMITS = ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit",
+                     "accumulated_cache_size_limit")
+
+
+def dynamic_shape_config() -> contextlib.ExitStack:
+    """Shapes of one step vary in many dims (tokens, entries, view rows, pending rows...). Two symbolic-shape
+    settings keep one compiled graph for all of them: no duck sizing (two dims that happen to be equal in the first
+    batch must not be assumed equal) and size-oblivious reasoning for sizes 0 and 1 (which Dynamo would otherwise
+    specialise, recompiling for every batch that has, say, one sequence or no pending rows). And Python floats stay
+    constants (``specialize_float``): with ``dynamic=True`` Dynamo would otherwise trace the model's float constants
+    (norm eps, the e2m1 grid) as symbolic inputs, then specialise them after the backend ran and trace the whole graph
+    a second time (on the H200 this compiled every layer kind twice; the first trace's graph also misses passes that
+    need those constants as literals, e.g. H's clamp limit)."""
+    import torch._dynamo.config as dynamo_config
+    import torch.fx.experimental._config as fx_config
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(fx_config.patch(backed_size_oblivious=True, use_duck_shape=False))
+    stack.enter_context(dynamo_config.patch(specialize_float=True))
+    return stack
+
+
+def call_settings(dynamic: bool | None, recompile_limit: int | None) -> contextlib.ExitStack:
+    """The Dynamo settings a compiled step's call runs under (Dynamo reads them when a call traces)."""
+    stack = contextlib.ExitStack()
+    if dynamic is not False:
+        stack.enter_context(dynamic_shape_config())
+    if recompile_limit is not None:
+        cfg = torch._dynamo.config
+        limits = {n: max(getattr(cfg, n), recompile_limit) for n in RECOMPILE_LIMITS if hasattr(cfg, n)}
+        stack.enter_context(cfg.patch(**limits))
+    return stack
+
+
+def rounding_config(faithful: bool | str, example_inputs: list) -> contextlib.ExitStack:
+    """Inductor's setting for rounding fused intermediates where eager rounds (absent in old torch: no-op), and
+    ATen's reduction and transcendental kernels (``exact_cpu``) for a faithful CPU graph, or any graph with
+    ``"exact"``: a faithful CPU graph is then eager's, bitwise."""
+    import torch._inductor.config as inductor_config
+
+    stack = contextlib.ExitStack()
+    if hasattr(inductor_config, "emulate_precision_casts"):  # absent before torch 2.6
+        stack.enter_context(inductor_config.patch(emulate_precision_casts=bool(faithful)))
+    if faithful == "exact" or (faithful is True and all_cpu(example_inputs)):
+        stack.enter_context(aten_kernels())
+    return stack
+
+
+def inductor_cache_counts() -> Counter:
+    """Hits / misses / bypasses of Inductor's FX graph cache ("fx ...") and AOTAutograd's cache ("aot ...")."""
+    from torch._dynamo.utils import counters
+
+    fx, aot = counters["inductor"], counters["aot_autograd"]
+    out = Counter({f"fx {k}": fx[f"fxgraph_cache_{k}"] for k in ("hit", "miss", "bypass")})
+    out.update({f"aot {k}": aot[f"autograd_cache_{k}"] for k in ("hit", "miss", "bypass")})
+    return out
+
+
+class Progress:
+    """Compile progress lines to the ``minidi.compile`` logger (INFO) and to an optional callback."""
+
+    def __init__(self, callback: Callable[[str], None] | None) -> None:
+        self.callback = callback
+
+    def __call__(self, line: str) -> None:
+        log.info("%s", line)
+        if self.callback is not None:
+            self.callback(line)
+
+
+def cache_note(delta: Counter) -> str:
+    notes = []
+    for prefix, name in (("fx", "Inductor FX graph cache"), ("aot", "AOTAutograd cache")):
+        parts = [f"{v} {k.split()[1]}" for k, v in delta.items() if v > 0 and k.startswith(prefix)]
+        if parts:
+            notes.append(f"{name}: {', '.join(parts)}")
+    return "".join(f", {n}" for n in notes)
