@@ -7,4 +7,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export TRITON_INTERPRET=1
-exec .venv/bin/python -m pytest -o console_output_style=count "$@"
+exec .venv/bin/python -m pytest -o console_output_style=count --durations=25 "$@"
