@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Set up (if needed) and run the test suite on CPU; Triton kernels run through the interpreter.
 # Arguments go to pytest (e.g. `bash scripts/test.sh tests/model/test_golden.py`). Progress: one line per test file
-# with the running count of tests ([ 120/1070]); about 21 minutes on 2 cores for the whole suite (clean-clone CI at
-# 979c516, the machine otherwise idle: 956 passed, 114 skipped in 1,229.1 s).
+# with the running count of tests ([ 120/1070]); about 25 minutes on 2 cores for the whole suite (clean-clone CI at
+# 467d0f4, the machine otherwise idle: 972 passed, 136 skipped in 1,501.1 s; the 25 slowest tests are listed at the end).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh

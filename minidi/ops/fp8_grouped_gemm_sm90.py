@@ -349,11 +349,11 @@ if HAVE_GLUON:
                         sx = sx_cur[u * NBK + j]
                         a = a_bufs.index(s).slice(32 * j, 32, dim=1).load(a_l)
                         tok_l = _half_mma(a, d_bufs, s, j, 0, pa, HALF, UA)
-                        if u + j > 0:
-                            pb = warpgroup_mma_wait(WAIT, deps=(tok_r,))
+                        if u + j > 0:  # static: tok_r / sx_prev exist from the unrolled block before (noqa)
+                            pb = warpgroup_mma_wait(WAIT, deps=(tok_r,))  # noqa: F821
                             if u > 0 and j == 0:  # the previous stage's MMAs are all done
                                 mbarrier.arrive(x_empty.index((i + u - 1) % NS), count=1)
-                            acc_r = _promote(acc_r, pb, sx_prev, ABLATE)
+                            acc_r = _promote(acc_r, pb, sx_prev, ABLATE)  # noqa: F821
                         tok_r = _half_mma(a, d_bufs, s, j, 1, pb, HALF, UA)
                         pa = warpgroup_mma_wait(WAIT, deps=(tok_l,))
                         acc_l = _promote(acc_l, pa, sx, ABLATE)

@@ -20,6 +20,7 @@ from .compile_settings import Progress, cache_note, call_settings, inductor_cach
 from .first_step import FirstStep
 from .precompiled import PrecompiledCalls
 
+
 def layer_kind(block: torch.nn.Module) -> Any:
     """The block's kind (``Block.kind()``: the model names its layer kinds; a named tuple for the progress lines)."""
     return block.kind()
