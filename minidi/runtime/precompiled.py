@@ -40,7 +40,7 @@ FORMAT = 1  # layout of ``dumps``: {"format": FORMAT, "fns": {label: [bytes, ...
 
 
 def available() -> bool:
-    """Whether this torch has Dynamo's ahead-of-time compile (torch >= 2.10)."""
+    """Whether this torch has Dynamo's ahead-of-time compile (used with torch 2.11 on the H200 and 2.13 on CPUs)."""
     try:
         from torch._dynamo.aot_compile import AOTCompiledFunction  # noqa: F401
     except ImportError:
@@ -49,7 +49,7 @@ def available() -> bool:
 
 
 class PrecompiledCalls:
-    """The ahead-of-time compiled graphs of a per-layer compile, per label (``"core <kind>"``, ``"front <kind>"``).
+    """The ahead-of-time compiled graphs of a per-layer compile, per label (``"core <kind>"``, ``"front"``).
 
     ``dynamic``: as ``torch.compile``'s. ``compiled``: labels compiled in this process; ``loaded``: variants read
     by ``loads``; ``load_s``: its seconds."""
