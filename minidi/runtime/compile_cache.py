@@ -260,19 +260,15 @@ class CompileCache:
                     "compile_s": round(compile_s, 1), "written": time.strftime("%Y-%m-%d %H:%M:%S")}
         self.path.mkdir(parents=True, exist_ok=True)
         tmp = f".tmp{os.getpid()}"
-        (self.path / (ARTIFACTS + tmp)).write_bytes(blob)
-        if kernels:
-            (self.path / (TRITON + tmp)).write_bytes(kernels)
-        if precompiled:
-            (self.path / (PRECOMPILED + tmp)).write_bytes(precompiled)
+        files = {name: data for name, data in ((ARTIFACTS, blob), (TRITON, kernels), (PRECOMPILED, precompiled))
+                 if data}
+        for name, data in files.items():
+            (self.path / (name + tmp)).write_bytes(data)
         (self.path / (MANIFEST + tmp)).write_text(json.dumps(manifest, indent=1, sort_keys=True))
         # the artifacts first, then the manifest that vouches for them: a reader never sees a manifest whose
         # artifacts are still being written (a torn pair fails the sha256 check and is rebuilt)
-        os.replace(self.path / (ARTIFACTS + tmp), self.path / ARTIFACTS)
-        if kernels:
-            os.replace(self.path / (TRITON + tmp), self.path / TRITON)
-        if precompiled:
-            os.replace(self.path / (PRECOMPILED + tmp), self.path / PRECOMPILED)
+        for name in files:
+            os.replace(self.path / (name + tmp), self.path / name)
         os.replace(self.path / (MANIFEST + tmp), self.path / MANIFEST)
         self.artifact_bytes, self.saved = len(blob) + len(kernels) + len(precompiled or b""), True
         if n_kernels:

@@ -134,7 +134,9 @@ class FirstStep:
                 c = None
             if c is not None:
                 self.cache.check_counts(c)
-                blob, layer_counts = self.precompiled() if self.precompiled is not None else (None, None)
+                # a hit writes nothing: the precompiled graphs are serialised only for an entry that is written
+                saving = self.precompiled is not None and self.cache.status != "hit"
+                blob, layer_counts = self.precompiled() if saving else (None, None)
                 try:
                     self.cache.save(c, total, precompiled=blob, layer_counts=layer_counts)
                 except OSError as e:  # a full or read-only disk costs the next start its warm cache, not this step
