@@ -35,15 +35,19 @@ else:  # python bench/bench_sparse_attention.py: the script's folder is sys.path
 
 # name -> launch config (BLOCK_H is 64 at H = 64). See docs/ops/sparse_attention.md for what each one trades.
 VARIANTS = {
-    "tok_w8_bk64_s2": dict(nsplit=1, num_warps=8, BLOCK_K=64, num_stages=2),  # the default (round 1 best)
-    "tok_w8_bk64_s3": dict(nsplit=1, num_warps=8, BLOCK_K=64, num_stages=3),
-    "tok_w8_bk32_s3": dict(nsplit=1, num_warps=8, BLOCK_K=32, num_stages=3),
-    "tok_w8_bk64_s3_persist": dict(nsplit=1, num_warps=8, BLOCK_K=64, num_stages=3, persistent=True),
-    "split2_w4_bk64_s3": dict(nsplit=2, num_warps=4, BLOCK_K=64, num_stages=3),
-    "split2_w4_bk64_s2": dict(nsplit=2, num_warps=4, BLOCK_K=64, num_stages=2),
-    "split2_w4_bk32_s3": dict(nsplit=2, num_warps=4, BLOCK_K=32, num_stages=3),
+    "tok_w8_bk64_s2": dict(impl="triton", nsplit=1, num_warps=8, BLOCK_K=64, num_stages=2),  # the Triton default
+    "tok_w8_bk64_s3": dict(impl="triton", nsplit=1, num_warps=8, BLOCK_K=64, num_stages=3),
+    "tok_w8_bk32_s3": dict(impl="triton", nsplit=1, num_warps=8, BLOCK_K=32, num_stages=3),
+    "tok_w8_bk64_s3_persist": dict(impl="triton", nsplit=1, num_warps=8, BLOCK_K=64, num_stages=3, persistent=True),
+    "split2_w4_bk64_s3": dict(impl="triton", nsplit=2, num_warps=4, BLOCK_K=64, num_stages=3),
+    "split2_w4_bk64_s2": dict(impl="triton", nsplit=2, num_warps=4, BLOCK_K=64, num_stages=2),
+    "split2_w4_bk32_s3": dict(impl="triton", nsplit=2, num_warps=4, BLOCK_K=32, num_stages=3),
+    "sm90_ws": dict(impl="gluon"),  # the warp-specialised Gluon kernel (minidi/ops/sparse_attention_sm90.py)
+    "sm90_ws_nopad": dict(impl="gluon", xpad=False),  # score exchange without padded rows (8-way bank conflicts)
+    "sm90_ws_pipe": dict(impl="gluon", pipe=True, c_regs=224, p_regs=56),  # Q K^T(i+1) overlapping softmax(i)
 }
-DEFAULT = "tok_w8_bk64_s2"
+DEFAULT = "tok_w8_bk64_s2"  # the Triton kernel's default config
+GLUON = "sm90_ws"
 TOL = dict(rtol=2**-7, atol=1e-3)  # one bf16 ulp at the output's scale (|out| ~ 0.1-0.5 here)
 
 
@@ -158,26 +162,26 @@ def main() -> None:
     result["encode_slots_ms"] = ms_enc
 
     # the default on independent picks: no reuse between neighbouring queries (L2 worst case)
-    if DEFAULT in args.variants.split(","):
-        indep = make_inputs(T, H, D, W, K, churn=K, seed=1)
+    indep = make_inputs(T, H, D, W, K, churn=K, seed=1)
+    for vname in [v for v in (DEFAULT, GLUON) if v in args.variants.split(",")]:
         try:
-            ms = bench_ms(lambda: launch(*indep, **VARIANTS[DEFAULT]))
-            rows.append((f"{DEFAULT} (independent picks)", ms, True, 0.0, "no neighbour reuse"))
-            result["default_independent_picks_ms"] = ms
+            ms = bench_ms(lambda x=indep, c=VARIANTS[vname]: launch(*x, **c))
+            rows.append((f"{vname} (independent picks)", ms, True, 0.0, "no neighbour reuse"))
+            result.setdefault("independent_picks_ms", {})[vname] = ms
         except Exception as e:
-            rows.append((f"{DEFAULT} (independent picks)", float("nan"), False, float("nan"), str(e)[:120]))
-        del indep
+            rows.append((f"{vname} (independent picks)", float("nan"), False, float("nan"), str(e)[:120]))
+    del indep
 
     # the model's rotations around the attention (64 of 512 channels): folded into the kernel (pass A's rope_mode 3)
     # vs the kernel plus stock Inductor's two rotation kernels, as the step ran them before
-    if DEFAULT in args.variants.split(","):
-        ang = torch.rand(T, 32, device="cuda") * 1000.0
-        cos, sin = ang.cos(), ang.sin()
-        cfg = VARIANTS[DEFAULT]
-        q_raw = inputs[0]
-        # compiled as the step compiles them (minidi.compile, no passes, faithful rounding: no FMA contraction)
-        rot_q = minidi.compile(lambda x, c, s_: apply_rope(x, c, s_), "none", dynamic=False)
-        rot_o = minidi.compile(lambda x, c, s_: apply_rope(x, c, s_, inverse=True), "none", dynamic=False)
+    ang = torch.rand(T, 32, device="cuda") * 1000.0
+    cos, sin = ang.cos(), ang.sin()
+    q_raw = inputs[0]
+    # compiled as the step compiles them (minidi.compile, no passes, faithful rounding: no FMA contraction)
+    rot_q = minidi.compile(lambda x, c, s_: apply_rope(x, c, s_), "none", dynamic=False)
+    rot_o = minidi.compile(lambda x, c, s_: apply_rope(x, c, s_, inverse=True), "none", dynamic=False)
+    for vname in [v for v in (DEFAULT, GLUON) if v in args.variants.split(",")]:
+        cfg = VARIANTS[vname]
         try:
             fused = launch(*inputs, rope_cos=cos, rope_sin=sin, rope_mode=ROPE_Q | ROPE_OUT, **cfg)
             unfused = rot_o(launch(rot_q(q_raw, cos, sin), *inputs[1:], **cfg), cos, sin)
@@ -191,13 +195,14 @@ def main() -> None:
                 note = f"rope_mode {mode}; regs {info.get('n_regs')} spills {info.get('n_spills')}"
                 if mode == ROPE_Q | ROPE_OUT:
                     note += "; ok = bit-equal to unfused"
-                rows.append((f"{DEFAULT} + {what}", ms_mode[mode], same if mode == 3 else True, 0.0, note))
+                rows.append((f"{vname} + {what}", ms_mode[mode], same if mode == 3 else True, 0.0, note))
             ms_u = bench_ms(lambda: rot_o(launch(rot_q(q_raw, cos, sin), *inputs[1:], **cfg), cos, sin))
             ms_r = bench_ms(lambda: rot_q(q_raw, cos, sin))
-            rows.append((f"{DEFAULT} + 2 Inductor rotations", ms_u, True, 0.0, f"one rotation kernel {ms_r:.3f} ms"))
-            result["rotations"] = dict(folded_ms=ms_mode[ROPE_Q | ROPE_OUT], q_folded_ms=ms_mode[ROPE_Q],
-                                       out_folded_ms=ms_mode[ROPE_OUT], unfused_ms=ms_u, one_rotation_kernel_ms=ms_r,
-                                       bit_equal=same, rotation_kernel_gbps=2 * q_raw.numel() * 2 / ms_r / 1e6)
+            rows.append((f"{vname} + 2 Inductor rotations", ms_u, True, 0.0, f"one rotation kernel {ms_r:.3f} ms"))
+            result.setdefault("rotations", {})[vname] = dict(
+                folded_ms=ms_mode[ROPE_Q | ROPE_OUT], q_folded_ms=ms_mode[ROPE_Q], out_folded_ms=ms_mode[ROPE_OUT],
+                unfused_ms=ms_u, one_rotation_kernel_ms=ms_r, bit_equal=same,
+                rotation_kernel_gbps=2 * q_raw.numel() * 2 / ms_r / 1e6)
         except Exception as e:
             rows.append(("rotations", float("nan"), False, float("nan"), f"{type(e).__name__}: {e}"[:200]))
 
