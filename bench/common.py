@@ -155,6 +155,22 @@ def op_ms(fn: Callable[[], object], device: str | torch.device, smoke: bool = Fa
     return median_ms(fn, device, do_bench_ms=do_bench_ms)
 
 
+def kernel_ms(fn: Callable[[], object], device: str | torch.device, calls: int = 10) -> float:
+    """GPU kernel time of one call of ``fn`` (ms): the device time of every kernel the profiler records over
+    ``calls`` calls, divided by ``calls``; NaN off CUDA. Unlike ``op_ms`` it leaves out the host's launch overhead,
+    which dominates a chain of small kernels timed alone but runs ahead of the GPU inside a model step."""
+    if not is_cuda(device):
+        return math.nan
+    fn()
+    sync(device)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        sync(device)
+    us = sum(e.self_device_time_total for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA)
+    return us / 1e3 / calls
+
+
 def measure_peaks(device: str | torch.device, small: bool = False) -> dict[str, float]:
     """``{"bf16_tflops", "copy_gbps"}`` measured now: a bf16 [m, m] @ [m, m] and a copy of n fp32 (bytes read +
     written), median of 10 after one warm-up. m = 8192 and 1 GiB on a GPU; ``small`` (or the CPU) 512 and 16 MiB."""

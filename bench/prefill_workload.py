@@ -24,6 +24,7 @@ import minidi
 from minidi.model.context import StepMeta
 from minidi.model.model import Transformer
 from minidi.model.presets import PRESETS
+from minidi.model.quant import fq4_ue8m0
 from minidi.runtime.batch import StepItem, build_step
 from minidi.runtime.cache import CacheManager, SeqCache
 from minidi.runtime.expert_parallel import EmulatedEP
@@ -96,12 +97,17 @@ def build_model(name: str, device: str, dtype: str, emulate_ep: int, share_exper
 
 def fill_random(cm: CacheManager, seed: int) -> None:
     """Every cache row random (unit-RMS normal rows, like the normalised KV / key rows the model writes; pending
-    K|G rows: random keys and gates), generated on the cache's device."""
+    K|G rows: random keys and gates), generated on the cache's device. With fake quant on, the indexer's key rows are
+    fq4 values, as the model writes them (``IndexerV41.keys`` / ``IndexerV4``: ``fq4_ue8m0(., 32)``): pass B's FP8
+    score checks each key row for an exact e4m3 form and rescores the rows that have none with the bf16 dot, so
+    non-fq4 keys would time that fallback on every row (round 11: 108 ms a step), a cache the model never holds."""
     gen = torch.Generator(device=cm.device).manual_seed(seed)
     t = cm.tensors
     for pool in [*t.window.values(), *t.comp.values(), *t.index_k.values(), *t.pending.values()]:
+        fq4 = cm.cfg.fake_quant and any(pool is k for k in t.index_k.values())
         for chunk in pool.split(1 << 16):
-            chunk.copy_(torch.randn(chunk.shape, generator=gen, device=cm.device, dtype=torch.float32))
+            rows = torch.randn(chunk.shape, generator=gen, device=cm.device, dtype=torch.float32)
+            chunk.copy_(fq4_ue8m0(rows, 32) if fq4 else rows)
 
 
 def random_prefix(cm: CacheManager, cached: int) -> SeqCache:

@@ -17,6 +17,9 @@ lets the top-k read only ~1/4 of each row (minidi/ops/topk.py).
 Score dtype: fp32 by default (see docs/ops/indexer.md): fp32 accumulation of exact bf16 products, no intermediate
 rounding; bf16 output is available (``out_dtype``) but quantises scores to 8 bits, which turns the top-512 threshold
 into a 15-35-way tie at N = 131,072.
+
+``mma="fp8"``: the same scores on FP8 tensor cores for fq4 q / k (``indexer_score_fp8.py``): exact products, the
+FP8 MMA's accumulation; rows that e4m3 times one power of two cannot represent fall back to this kernel's dot.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from ._triton_utils import cannot_run, interpreting, mma, resolve_backend, trito
 from .topk import topk_indices_ref
 
 _QK_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+MMA_KINDS = ("native", "fp8")  # the score MMA: the operands' own dtype (today's numerics), or FP8 (fq4 inputs)
 
 
 # ----------------------------------------------------------------------------------------------------------- kernels
@@ -227,8 +231,10 @@ def indexer_score_ref(
 
 
 # ------------------------------------------------------------------------------------------------------ public wrappers
-def _check_common(q, k, w, k_start, k_end, backend) -> str:
+def _check_common(q, k, w, k_start, k_end, backend, mma="native") -> str:
     """Checks the inputs; returns the backend that runs ("triton" or "ref")."""
+    if mma not in MMA_KINDS:
+        raise ValueError(f"mma must be one of {MMA_KINDS}, got {mma!r}")
     for name, x in (("q", q), ("k", k), ("w", w), ("k_start", k_start), ("k_end", k_end)):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
@@ -253,7 +259,7 @@ def _check_common(q, k, w, k_start, k_end, backend) -> str:
 
 def indexer_score(
     q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, k_start: torch.Tensor, k_end: torch.Tensor,
-    out_dtype: torch.dtype = torch.float32, backend: str = "auto",
+    out_dtype: torch.dtype = torch.float32, backend: str = "auto", mma: str = "native",
 ) -> torch.Tensor:
     """Dense indexer scores.
 
@@ -262,18 +268,22 @@ def indexer_score(
     sequences in one key pool; the single-sequence case is k_start = 0, k_end = n_visible).
     Returns scores [T, N] ``out_dtype`` (fp32 default, or bf16): fp32 accumulation, -inf outside the visible range.
     ``backend``: "auto" (the kernel where it can run, else the reference), "triton" or "ref" (plain torch, fp32).
+    ``mma``: "native" (the operands' dtype on the tensor cores; exact fp32 products for fp32) or "fp8" (for fq4 q
+    and k: e4m3 operands with one power-of-two scale per row, exact products, the FP8 MMA's accumulation; rows that
+    are not exactly representable so fall back to "native" per tile; ``indexer_score_fp8.py``).
     """
-    run = _check_common(q, k, w, k_start, k_end, backend)
+    run = _check_common(q, k, w, k_start, k_end, backend, mma)
     if out_dtype not in (torch.float32, torch.bfloat16):
         raise TypeError(f"out_dtype must be torch.float32 or torch.bfloat16, got {out_dtype}")
     if run == "ref":
         return indexer_score_ref(q, k, w, k_start, k_end, out_dtype)
-    return _indexer_score_op(q, k, w, k_start, k_end, out_dtype, False)[0]
+    op = _fp8._indexer_score_fp8_op if mma == "fp8" else _indexer_score_op
+    return op(q, k, w, k_start, k_end, out_dtype, False)[0]
 
 
 def indexer_topk(
     q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, k_start: torch.Tensor, k_end: torch.Tensor, topk: int,
-    allowed: torch.Tensor | None = None, backend: str = "auto",
+    allowed: torch.Tensor | None = None, backend: str = "auto", mma: str = "native",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Drop-in for the model's ``indexer_topk_naive`` (same arguments, same return shapes).
 
@@ -281,25 +291,37 @@ def indexer_topk(
     Returns (idx [T, min(topk, N)] int64, scores [T, N] fp32). idx holds the top-k set in ascending key order, exact
     ties to the lowest key, then -1 for picks whose score is -inf: the naive path's order and tie-break, so the two
     agree exactly on equal scores (the naive scores are in the activation dtype: in bf16 the sets can differ).
-    Without ``allowed`` the score kernel also writes each key block's max, which gives the top-k its bound.
+    Without ``allowed`` the native score kernel also writes each key block's max, which gives the top-k its bound.
+    ``mma``: as in ``indexer_score`` ("fp8" for fq4 q and k: pass B picks it when q is an fq4 output; the top-k then
+    takes its own bound).
     """
     t, n = q.shape[0], k.shape[0]
     kk = min(topk, n)
     if allowed is not None and (allowed.shape != (t, n) or allowed.dtype != torch.bool):
         raise ValueError(f"allowed must be [{t}, {n}] bool, got {tuple(allowed.shape)} {allowed.dtype}")
-    if _check_common(q, k, w, k_start, k_end, backend) == "ref":
+    if _check_common(q, k, w, k_start, k_end, backend, mma) == "ref":
         scores = indexer_score_ref(q, k, w, k_start, k_end)
         if allowed is not None:
             scores = scores.masked_fill(~allowed, float("-inf"))
         return topk_indices_ref(scores, kk, k_end, k_start), scores
-    scores, cmax = _indexer_score_op(q, k, w, k_start, k_end, torch.float32, allowed is None)
-    chunk = default_score_config(q.shape[1], q.dtype)["BN"]  # the score kernel's key block = one chunk
+    if mma == "fp8":
+        # no chunk maxima from the FP8 kernel: the top-k takes its own bound (H200, round 11, T 4,096 x N 131,072:
+        # the maxima cost the FP8 kernel 0.8 ms and save the top-k 0.4 ms; docs/ops/indexer.md)
+        scores, cmax = _fp8._indexer_score_fp8_op(q, k, w, k_start, k_end, torch.float32, False)
+        cmax, chunk = None, 0
+    else:
+        scores, cmax = _indexer_score_op(q, k, w, k_start, k_end, torch.float32, allowed is None)
+        chunk = default_score_config(q.shape[1], q.dtype)["BN"]  # the score kernel's key block = one chunk
     if allowed is not None:
         scores = scores.masked_fill(~allowed, float("-inf"))
         cmax, chunk = None, 0
     return torch.ops.minidi.topk_indices(scores, kk, k_start, k_end, cmax, chunk), scores
 
 
+# the FP8 path reuses this file's block and helpers: imported last, as a module (it imports from here, and may be
+# imported first), its names looked up at call time
+from . import indexer_score_fp8 as _fp8  # noqa: E402
+
 __all__ = [
-    "indexer_score", "indexer_topk", "indexer_score_ref", "default_score_config",
+    "indexer_score", "indexer_topk", "indexer_score_ref", "default_score_config", "MMA_KINDS",
 ]

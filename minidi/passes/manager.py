@@ -10,10 +10,11 @@ backend (Inductor on the GPU, ``aot_eager`` in CPU tests). Why this level, and n
 see ``docs/passes.md``.
 
 Pass order (each pass sees the graph the previous one left): C moe_combine, E gate_tf32x3, D fp4_grouped_mm,
-A sparse_attention, B indexer_topk, F hc_mix, G hc_expand, H moe_activation, I moe_row_gather. The passes touch
-disjoint subgraphs (B's top-k output feeds A's ``comp_idx``, and both read only the other's *result*); H and I read
-the GEMMs D leaves (either form), so apart from fp32 models (where H and I need D first) the order changes no match;
-it is fixed so that logs and graphs are stable.
+A sparse_attention, B indexer_topk, F hc_mix, J hc_mix_fused, K hc_sinkhorn, G hc_expand, H moe_activation,
+I moe_row_gather. The passes touch disjoint subgraphs (B's top-k output feeds A's ``comp_idx``, and both read only
+the other's *result*); H and I read the GEMMs D leaves (either form), and J takes F's projection in either form (F's
+op or the naive GEMM), so apart from fp32 models (where H and I need D first) the order changes no match; it is
+fixed so that logs and graphs are stable.
 
     manager = PassManager("all", strict=True, expected=expected_sites(cfg))
     manager.run(gm)                   # rewrites gm in place
@@ -39,6 +40,8 @@ from .rewrite_fp4_experts import FP4GroupedMM
 from .rewrite_gate import GateTF32x3
 from .rewrite_hc_expand import HCExpand
 from .rewrite_hc_mix import HCMixTF32x3
+from .rewrite_hc_mix_fused import HCMixFused
+from .rewrite_hc_sinkhorn import HCSinkhorn
 from .rewrite_indexer import IndexerTopK
 from .rewrite_moe_activation import MoEActivation
 from .rewrite_moe_combine import MoECombine
@@ -53,7 +56,8 @@ except ImportError:  # pragma: no cover
 log = logging.getLogger("minidi.passes")
 
 REWRITES: tuple[type[Rewrite], ...] = (MoECombine, GateTF32x3, FP4GroupedMM, SparseAttention, IndexerTopK,
-                                        HCMixTF32x3, HCExpand, MoEActivation, MoERowGather)
+                                        HCMixTF32x3, HCMixFused, HCSinkhorn, HCExpand, MoEActivation,
+                                        MoERowGather)
 BY_KEY: dict[str, type[Rewrite]] = {r.key: r for r in REWRITES}
 BY_NAME: dict[str, type[Rewrite]] = {r.name: r for r in REWRITES}
 

@@ -20,6 +20,12 @@ Replacement::
 
     idx, s = indexer_topk(q, k, w, k_start, k_end, topk, allowed)      # [T, N] scores written once, Triton top-k
 
+When q is an fq4 output (``minidi.model.quant.fq4_ue8m0``: the model's fake quant on; V4's Hadamard-then-fq4 too)
+the replacement scores on FP8 tensor cores, ``indexer_topk(..., mma="fp8")``: every product is the bf16 path's
+product, only the accumulation inside the MMA differs, and rows of q or k that e4m3 times one power of two cannot
+hold are scored by the bf16 dot (checked at run time, so k, which reaches the graph from the cache, needs no match).
+Without fq4 on q (fake quant off, the fp32 comparison mode) the op keeps today's numerics (``mma="native"``).
+
 The op returns the same picks in the same order: the top-k set in ascending key order, exact ties to the lowest key,
 then -1 for picks scored -inf. Refused: another contraction (e.g. ``"thd,tnd->thn"``), a sum over another dim, a
 range mask that is not ``[k_start, k_end)``, a top-k with another tie-break or -1 rule (e.g. a plain ``topk``).
@@ -35,7 +41,8 @@ from torch.fx import Node
 from minidi.ops.indexer_score import indexer_topk
 
 from .base import Match, Rewrite
-from .fx_utils import arg, dims_equal, dtype, is_call, is_literal, n_args, normalize_einsum, rank, same_int, val
+from .fx_utils import (arg, const_number, dims_equal, dtype, is_call, is_literal, n_args, normalize_einsum, rank,
+                       same_int, val)
 
 _QK = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -106,6 +113,28 @@ def _topk_set(node, s: Node) -> tuple[object, object, set[Node]] | None:
         return None
     nodes = {node, srt, ti, ti.args[0], rank_, gt, inner, eq, neg, j, key, nan, thr, pad, tv, tv.args[0]}
     return kk, j.args[0], nodes
+
+
+def _is_fq4(node) -> bool:
+    """node = fq4_ue8m0(x, block) (``minidi.model.quant``), as Dynamo records it::
+
+        g = x.float().unflatten(-1, (D / block, block)); s = pow2_ceil(...)     # [.., D / block, 1] powers of two
+        y = (g / s).clamp(-6, 6); node = (copysign(round_e2m1(y), y) * s).flatten(-2).to(dtype)
+    """
+    if is_call(node, "to") and n_args(node) == 2:
+        node = node.args[0]
+    if not (is_call(node, "flatten") and n_args(node) == 2 and is_literal(arg(node, 1, "start_dim"), -2)):
+        return False
+    mul = node.args[0]
+    if not (is_call(mul, "mul") and len(mul.args) == 2 and is_call(mul.args[0], "copysign")):
+        return False
+    cs, s = mul.args
+    y = cs.args[1] if len(cs.args) == 2 else None
+    if not (is_call(y, "clamp") and len(y.args) == 3 and const_number(y.args[1]) == -6.0
+            and const_number(y.args[2]) == 6.0):
+        return False
+    dv = y.args[0]
+    return is_call(dv, "truediv") and len(dv.args) == 2 and dv.args[1] is s and is_call(dv.args[0], "unflatten")
 
 
 def _unsq(node, dim: int) -> Node | None:
@@ -216,5 +245,8 @@ class IndexerTopK(Rewrite):
         if allowed is not None and (dtype(allowed) != torch.bool or rank(allowed) != 2):
             return None
         outputs = [(node, 0), (scores, 1)]
+        kwargs = {"backend": self.op_backend}
+        if _is_fq4(q):  # fq4 q (and k): FP8 tensor cores, exact products
+            kwargs["mma"] = "fp8"
         return Match(anchor=node, nodes=nodes, target=indexer_topk, args=(q, k, w, k_start, k_end, topk, allowed),
-                     kwargs={"backend": self.op_backend}, outputs=outputs)
+                     kwargs=kwargs, outputs=outputs)

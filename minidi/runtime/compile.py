@@ -60,6 +60,8 @@ def expected_sites(cfg: ModelConfig, regional: bool = False) -> dict[str, list[i
     the ratio-4 layers); C, E: every layer (one MoE each, hash-routed layers still compute the gate logits);
     D: every layer, three times (w1, w3, w2); F: every layer twice (the attention and FFN mHC mixers), plus V4's
     head (``hc_head``, outside the layers: site None) unless ``regional`` (only the layers are compiled then);
+    J: F's sites (each mixer's projection, mean square and, V4.1, the collapse of its input); K: every layer twice
+    (each mixer's Sinkhorn; V4's head has none);
     G: every layer twice (the stream update after attention and after the MoE); H and I: every layer (the MoE's
     expert activation and its dispatch gather; in fp32 models only after D). Only the selected passes are checked."""
     layers = list(range(cfg.n_layers))
@@ -71,6 +73,8 @@ def expected_sites(cfg: ModelConfig, regional: bool = False) -> dict[str, list[i
         "D": [i for i in layers for _ in range(GEMMS_PER_MOE)],
         "E": layers,
         "F": [i for i in layers for _ in range(HC_SITES_PER_LAYER)] + head,
+        "J": [i for i in layers for _ in range(HC_SITES_PER_LAYER)] + head,
+        "K": [i for i in layers for _ in range(HC_SITES_PER_LAYER)],
         "G": [i for i in layers for _ in range(HC_SITES_PER_LAYER)],
         "H": layers,
         "I": layers,

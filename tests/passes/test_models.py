@@ -54,10 +54,11 @@ def test_every_site_matched(compiled):
     for key, layers in want.items():
         assert Counter(compiled.manager.sites[key]) == Counter(layers), key
     if compiled.name == "tiny-v41":
-        assert compiled.manager.counts == {"C": 10, "E": 10, "D": 30, "A": 10, "B": 4, "F": 20, "G": 20, "H": 10,
-                                           "I": 10}
-    else:  # F: two mixers per layer + V4's hc_head
-        assert compiled.manager.counts == {"C": 4, "E": 4, "D": 12, "A": 4, "B": 2, "F": 9, "G": 8, "H": 4, "I": 4}
+        assert compiled.manager.counts == {"C": 10, "E": 10, "D": 30, "A": 10, "B": 4, "F": 20, "J": 20, "K": 20,
+                                           "G": 20, "H": 10, "I": 10}
+    else:  # F, J: two mixers per layer + V4's hc_head
+        assert compiled.manager.counts == {"C": 4, "E": 4, "D": 12, "A": 4, "B": 2, "F": 9, "J": 9, "K": 8, "G": 8,
+                                           "H": 4, "I": 4}
 
 
 def test_logits_equal_uncompiled(compiled):
@@ -81,7 +82,9 @@ def test_naive_ops_gone(compiled):
         "minidi.ops.indexer_score.indexer_topk": want["B"],
         "minidi.ops.moe_combine.moe_combine": want["C"],
         "minidi.ops.fp4_grouped_gemm.fp4_grouped_mm": want["D"],
-        "minidi.ops.gate_tf32x3.gate_tf32x3": want["E"] + want["F"],  # the router and the mHC projections
+        "minidi.ops.gate_tf32x3.gate_tf32x3": want["E"],  # the router (J took F's mHC projections)
+        "minidi.ops.hc_mix.hc_mix_fused": want["J"],
+        "minidi.ops.hc_sinkhorn.hc_sinkhorn": want["K"],
         "minidi.ops.hc_streams.hc_stream_mix": want["G"],
         "minidi.ops.moe_activation.moe_activation": want["H"],
         "minidi.ops.moe_gather.gather_rows": want["I"],
@@ -115,11 +118,13 @@ def test_one_layer_after_all_passes(compiled):
     ops = [n.target.__name__ for n in after.graph.nodes if n.op == "call_function" and layer_of(n) == 2
            and getattr(n.target, "__module__", "").startswith("minidi.ops")]
     assert_expected_inline("\n".join(ops), """\
-gate_tf32x3
+hc_mix_fused
+hc_sinkhorn
 indexer_topk
 sparse_attention
 hc_stream_mix
-gate_tf32x3
+hc_mix_fused
+hc_sinkhorn
 gate_tf32x3
 gather_rows
 fp4_grouped_mm
@@ -187,8 +192,8 @@ def trace_counts(model: torch.nn.Module, n_tokens: int) -> dict[str, int]:
 def test_second_tiny_config_counts_traced():
     model = minidi.load_model("tiny-v41-b", dtype="float32", fake_quant=False)
     want = {k: len(v) for k, v in expected_sites(model.cfg).items()}
-    assert trace_counts(model, 24) == want == {"A": 8, "B": 3, "C": 8, "D": 24, "E": 8, "F": 16, "G": 16,
-                                                "H": 8, "I": 8}
+    assert trace_counts(model, 24) == want == {"A": 8, "B": 3, "C": 8, "D": 24, "E": 8, "F": 16, "J": 16, "K": 16,
+                                                "G": 16, "H": 8, "I": 8}
 
 
 def test_production_settings_counts_traced():

@@ -18,7 +18,7 @@ from minidi.model.attention import compressed_view
 from minidi.model.context import RatioMeta
 from minidi.model.indexer import indexer_topk_naive
 from minidi.model.moe import dequant_expert_stack, gate_logits_fp32, grouped_mm, moe_combine_naive
-from minidi.model.quant import quantize_fp4
+from minidi.model.quant import fq4_ue8m0, fq8, quantize_fp4
 from minidi.selection import topk_set
 from minidi.model import stages
 from minidi.model.layers import apply_rope, rope_cos_sin_lookup
@@ -401,6 +401,30 @@ class GraphModule(torch.nn.Module):
 """)
 
 
+def indexer_fq4(q, k, w, k_start, k_end, allowed):  # the model's indexer with fake quant on: q is an fq4 output
+    return indexer_topk_naive(fq4_ue8m0(q, 32), k, w, k_start, k_end, 4, allowed)
+
+
+def indexer_fq8(q, k, w, k_start, k_end, allowed):  # another quantiser on q: the op keeps today's numerics
+    return indexer_topk_naive(fq8(q, 32), k, w, k_start, k_end, 4, allowed)
+
+
+def test_indexer_rewrite_fq4_scores_on_fp8():
+    q, k, w, ks, ke, _ = indexer_inputs(torch.Generator().manual_seed(7), False)
+    args = (q, fq4_ue8m0(k, 32), w, ks, ke, None)
+    m = Fn(indexer_fq4)
+    (idx, scores), mgr, _, after = run(m, args, "B", 1, strict=True)
+    ref_idx, ref_scores = m(*args)
+    assert mgr.counts == {"B": 1}
+    torch.testing.assert_close(scores, ref_scores, rtol=1e-5, atol=1e-5)
+    assert torch.equal(idx, ref_idx)
+    text = graph_text(after)
+    call = [line.strip() for line in text.splitlines() if "indexer_topk(" in line]
+    assert_expected_inline("\n".join(call), """indexer_topk = minidi_ops_indexer_score_indexer_topk(to_1, l_args_1_, l_args_2_, l_args_3_, l_args_4_, 4, None, backend = 'auto', mma = 'fp8');  to_1 = l_args_1_ = l_args_2_ = l_args_3_ = l_args_4_ = None""")
+    _, mgr, _, after = run(Fn(indexer_fq8), args, "B", 1, strict=True)
+    assert mgr.counts == {"B": 1} and "mma" not in graph_text(after)
+
+
 def _picks(s, kk):  # the naive indexer's picks (indexer._pick), written out
     idx = topk_set(s, kk)
     idx = torch.where(s.gather(1, idx) > float("-inf"), idx, 1 << 62).sort(dim=-1).values
@@ -541,7 +565,7 @@ def test_non_strict_warns_and_keeps_the_naive_path(monkeypatch):
 def test_pass_selection_and_uuid():
     from minidi.passes import PassManager, select
 
-    assert select("all") == ["C", "E", "D", "A", "B", "F", "G", "H", "I"]
+    assert select("all") == ["C", "E", "D", "A", "B", "F", "J", "K", "G", "H", "I"]
     assert select("none") == [] and select(None) == []
     assert select("B,a") == ["A", "B"] and select(["moe_combine", "E"]) == ["C", "E"]
     with pytest.raises(ValueError, match="unknown pass 'Z'"):

@@ -1,0 +1,205 @@
+"""The mHC site's reads of the streams in one pass (pass J): mixer projection, its mean square and the collapse.
+
+Each mHC site of V4.1 reads the n residual streams x [T, n, D] (bf16) three times in the model's plain code
+(``minidi.model.hyper_connections``)::
+
+    z   = x.reshape(T, n D).float()
+    g   = z @ fn.float().t()                       # the mixer's projection, fn [M, n D] fp32 (pass F: gate_tf32x3)
+    ms  = z.square().mean(-1, keepdim=True)        # its RMS scale: mu = g * rsqrt(ms + eps)
+    u   = (pre[..., None] * x.float()).sum(1).to(x.dtype)   # the collapse, with the previous site's pre (V4.1)
+
+``hc_mix_fused(x, fn, pre)`` returns (g, ms, u) from one read of x: a kernel computes per split of D the partial
+projection and the partial sum of squares of its D range ([S, T, M] and [S, T] fp32), and writes u for its D range;
+the S planes are summed in plain torch, which Inductor fuses into the mixer's sigmoid / Sinkhorn kernel that reads
+g and ms anyway. ``pre=None`` (V4's sites, whose collapse weights come from this mixer, and its head): no collapse.
+
+Numerics: the projection as pass F's op: x is exact in bf16 and fn = f0 + f1 + f2 in bf16 pieces (residual <=
+2^-24 |fn|), so the three bf16 dots have exact products; each stream's chunk of K goes to a fresh accumulator that
+is added to the running sum with an IEEE fp32 add (the promotion of ``gate_tf32x3``, see there: Hopper's MMA
+accumulation truncates). The sum of squares and the collapse are fp32 sums in another order than eager's; u is
+rounded once to x's dtype, where the model rounds.
+
+Bytes at V4.1-Flash (T 4,096, n 4, D 5,120): x 168 MB read once, u 42 MB written; the fn pieces (2.9 MB) are
+read from L2 by every token block. H200 (``bench/bench_hc_mix.py``, ``docs/benchmarks/h200_round11/bench_hc_mix.json``):
+0.152 ms = 1,389 GB/s (34 % of the copy peak) at the default config.
+
+Legend: T tokens, n streams, D width, M mixer outputs ((2 + n) n), S splits of D, BT tokens and BD columns per
+program step.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._triton_utils import cannot_run, interpreting, resolve_backend, round_bf16, triton_can_run
+
+MAX_OUT = 64  # mixer outputs M at most (V4.1 / V4: 24; V4's head: 4)
+SPLITS = 4  # S: splits of D (a function of nothing but this constant: the fake result's shape must not vary)
+
+
+# ---- reference -----------------------------------------------------------------------------------------------------
+def hc_mix_partials_ref(x: torch.Tensor, fn: torch.Tensor, pre: torch.Tensor | None):
+    """Plain torch, one split: ([1, T, M] projection, [1, T] sum of squares, u [T, D] or empty)."""
+    t, n, d = x.shape
+    z = x.reshape(t, n * d).float()
+    g = z @ fn.float().t()
+    ss = z.square().sum(-1)
+    u = x.new_empty(0) if pre is None else (pre.unsqueeze(-1) * x.float()).sum(dim=1).to(x.dtype)
+    return g.unsqueeze(0), ss.unsqueeze(0), u
+
+
+# ---- kernel --------------------------------------------------------------------------------------------------------
+@triton.jit
+def _hc_mix_kernel(x_ptr, w_ptr, pre_ptr, g_ptr, ss_ptr, u_ptr,
+                   T, D, M, D_PER_SPLIT, sx_t, sx_j, sw_piece, sw_m, sg_split, sg_t, ss_split, su_t, sp_t,
+                   N: tl.constexpr, MP: tl.constexpr, COLLAPSE: tl.constexpr, X_BF16: tl.constexpr,
+                   INTERPRET: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
+    """Program (token block, split of D): over its D range in BD steps, for each stream j: sum of squares, u += pre_j
+    x_j, and the projection part x_j @ (f2 + f1 + f0)^T (a fresh accumulator per stream chunk, added in IEEE fp32)."""
+    rt = tl.program_id(0) * BT + tl.arange(0, BT)
+    t_ok = rt < T
+    rt64 = rt.to(tl.int64)
+    rd = tl.arange(0, BD)
+    rm = tl.arange(0, MP)
+    m_ok = rm < M
+    d_begin = tl.program_id(1) * D_PER_SPLIT
+    d_end = tl.minimum(D, d_begin + D_PER_SPLIT)
+    acc = tl.zeros((BT, MP), dtype=tl.float32)
+    ss = tl.zeros((BT,), dtype=tl.float32)
+    for d0 in range(d_begin, d_end, BD):
+        d_ok = d0 + rd < d_end
+        xm = t_ok[:, None] & d_ok[None, :]
+        wm = d_ok[:, None] & m_ok[None, :]
+        u = tl.zeros((BT, BD), dtype=tl.float32)
+        for j in tl.static_range(N):
+            xj = tl.load(x_ptr + rt64[:, None] * sx_t + j * sx_j + (d0 + rd)[None, :], mask=xm, other=0.0)
+            xf = xj.to(tl.float32)
+            ss += tl.sum(xf * xf, axis=1)
+            if COLLAPSE:
+                pj = tl.load(pre_ptr + rt64 * sp_t + j, mask=t_ok, other=0.0)
+                u += pj[:, None] * xf
+            w_ptrs = w_ptr + rm[None, :] * sw_m + (j * D + d0 + rd)[:, None]  # [BD, MP]: fn^T rows of this chunk
+            w2 = tl.load(w_ptrs + 2 * sw_piece, mask=wm, other=0.0)
+            w1 = tl.load(w_ptrs + sw_piece, mask=wm, other=0.0)
+            w0 = tl.load(w_ptrs, mask=wm, other=0.0)
+            if INTERPRET or not X_BF16:  # fp32 dots: the interpreter's bf16 dot is wrong; an fp32 x is not exact
+                part = tl.dot(xf, w2.to(tl.float32), input_precision="ieee")  # in bf16 (test models), IEEE products
+                part = tl.dot(xf, w1.to(tl.float32), part, input_precision="ieee")
+                part = tl.dot(xf, w0.to(tl.float32), part, input_precision="ieee")
+            else:  # small pieces first; the last dot's accumulator is not 0, so ``acc += part`` is not folded
+                part = tl.dot(xj, w2)
+                part = tl.dot(xj, w1, part)
+                part = tl.dot(xj, w0, part)
+            acc += part
+        if COLLAPSE:
+            if X_BF16:
+                u = round_bf16(u)  # the interpreter's fp32 -> bf16 cast truncates
+            tl.store(u_ptr + rt64[:, None] * su_t + (d0 + rd)[None, :], u.to(u_ptr.dtype.element_ty), mask=xm)
+    split = tl.program_id(1).to(tl.int64)
+    tl.store(g_ptr + split * sg_split + rt64[:, None] * sg_t + rm[None, :], acc, mask=t_ok[:, None] & m_ok[None, :])
+    tl.store(ss_ptr + split * ss_split + rt64, ss, mask=t_ok)
+
+
+# ---- launcher ------------------------------------------------------------------------------------------------------
+def default_config(t: int, d: int, x_dtype: torch.dtype = torch.bfloat16) -> dict:
+    """bf16 streams: 128-token blocks, 64 columns a step, 8 warps, 2 stages, D split SPLITS ways (T 4,096: 128
+    programs); the fastest of the H200 sweep in ``bench/bench_hc_mix.py`` (0.152 ms at V4.1-Flash shapes, against
+    0.231 ms for 64-token blocks with 4 warps in the same run). fp32 streams (test models): 64 x 32 steps, 2 stages
+    (fp32 tiles of 4 streams fill shared memory sooner)."""
+    if x_dtype == torch.float32:
+        return dict(BT=64, BD=32, num_warps=4, num_stages=2)
+    return dict(BT=128, BD=64, num_warps=8, num_stages=2)
+
+
+def fn_pieces(fn: torch.Tensor) -> torch.Tensor:
+    """fn [M, K] fp32 -> [3, M, K] bf16 with fn = p0 + p1 + p2 up to 2^-24 |fn| (each piece round-to-nearest)."""
+    f = fn.float()
+    p0 = f.to(torch.bfloat16)
+    r = f - p0.float()
+    p1 = r.to(torch.bfloat16)
+    p2 = (r - p1.float()).to(torch.bfloat16)
+    return torch.stack([p0, p1, p2])
+
+
+def launch(x: torch.Tensor, fn: torch.Tensor, pre: torch.Tensor | None, g: torch.Tensor, ss: torch.Tensor,
+           u: torch.Tensor, **config) -> None:
+    """Checked tensors, x with a unit stride in D; writes g [SPLITS, T, M], ss [SPLITS, T] and (pre given) u [T, D]."""
+    t, n, d = x.shape
+    m = fn.shape[0]
+    if t == 0:
+        return
+    cfg = default_config(t, d, x.dtype) | config
+    pieces = fn_pieces(fn)
+    d_per = triton.cdiv(triton.cdiv(d, SPLITS), cfg["BD"]) * cfg["BD"]
+    used = triton.cdiv(d, d_per)
+    if used < SPLITS:  # a narrow D: the splits past it hold zeros
+        g[used:].zero_()
+        ss[used:].zero_()
+    grid = (triton.cdiv(t, cfg["BT"]), used)
+    collapse = pre is not None
+    pre_arg = pre if collapse else ss
+    _hc_mix_kernel[grid](
+        x, pieces, pre_arg, g, ss, u if collapse else ss,
+        t, d, m, d_per, x.stride(0), x.stride(1), pieces.stride(0), pieces.stride(1), g.stride(0), g.stride(1),
+        ss.stride(0), u.stride(0) if collapse else 0, pre.stride(0) if collapse else 0,
+        N=n, MP=max(16, triton.next_power_of_2(m)), COLLAPSE=collapse, X_BF16=x.dtype == torch.bfloat16,
+        INTERPRET=interpreting(), BT=cfg["BT"], BD=cfg["BD"], num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"])
+
+
+# ---- custom op -----------------------------------------------------------------------------------------------------
+def _outputs(x: torch.Tensor, fn: torch.Tensor, pre: torch.Tensor | None):
+    t, _, d = x.shape
+    g = x.new_empty((SPLITS, t, fn.shape[0]), dtype=torch.float32)
+    ss = x.new_empty((SPLITS, t), dtype=torch.float32)
+    u = x.new_empty(0) if pre is None else x.new_empty((t, d))
+    return g, ss, u
+
+
+@torch.library.custom_op("minidi::hc_mix_partials", mutates_args=())
+def _hc_mix_op(x: torch.Tensor, fn: torch.Tensor, pre: torch.Tensor | None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if not triton_can_run(x, fn, pre):
+        raise cannot_run("minidi::hc_mix_partials", x, fn, pre)
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    pre = None if pre is None else pre.contiguous()
+    g, ss, u = _outputs(x, fn, pre)
+    launch(x, fn, pre, g, ss, u)
+    return g, ss, u
+
+
+@_hc_mix_op.register_fake
+def _(x, fn, pre):
+    return _outputs(x, fn, pre)
+
+
+def _check(x: torch.Tensor, fn: torch.Tensor, pre: torch.Tensor | None) -> None:
+    def fail(what: str) -> None:
+        raise ValueError(f"hc_mix_fused: {what}")
+
+    if x.dim() != 3 or x.dtype not in (torch.bfloat16, torch.float32):
+        fail(f"x must be [T, n, D] bf16 / fp32, got {tuple(x.shape)} {x.dtype}")
+    t, n, d = x.shape
+    if fn.dim() != 2 or fn.dtype != torch.float32 or fn.shape[1] != n * d or not 0 < fn.shape[0] <= MAX_OUT:
+        fail(f"fn must be [M, n*D] = [M <= {MAX_OUT}, {n * d}] float32, got {tuple(fn.shape)} {fn.dtype}")
+    if pre is not None and (pre.shape != (t, n) or pre.dtype != torch.float32):
+        fail(f"pre must be [T, n] = {(t, n)} float32, got {tuple(pre.shape)} {pre.dtype}")
+    devs = {str(a.device) for a in (x, fn, pre) if a is not None}
+    if len(devs) != 1:
+        fail(f"x, fn and pre must be on one device, got {sorted(devs)}")
+
+
+def hc_mix_fused(x: torch.Tensor, fn: torch.Tensor, pre: torch.Tensor | None = None, backend: str = "auto"):
+    """x [T, n, D] streams, fn [M, n D] fp32, pre [T, n] fp32 or None -> (g [T, M] = z @ fn^T, ms [T, 1] =
+    mean(z^2) (both fp32, z = flat(x) in fp32), u [T, D] in x's dtype = sum_j pre_j x_j, or an empty tensor when
+    ``pre`` is None), from one read of x.
+    ``backend``: "auto" (the kernel where it can run, else the reference), "triton" or "ref" (plain torch)."""
+    _check(x, fn, pre)
+    if resolve_backend(backend, "hc_mix_fused", x, fn, pre) == "ref":
+        g, ss, u = hc_mix_partials_ref(x, fn, pre)
+    else:
+        g, ss, u = _hc_mix_op(x, fn, pre)
+    n, d = x.shape[1], x.shape[2]
+    return g.sum(0), ss.sum(0).unsqueeze(-1) / (n * d), u

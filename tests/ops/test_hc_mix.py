@@ -1,0 +1,149 @@
+"""minidi::hc_mix_partials / hc_mix_fused vs float64 and the model's mHC code (CPU under TRITON_INTERPRET=1; @gpu on
+CUDA).
+
+Tolerances: the projection and the mean square at fp32 level (max|out - ref64| / max|ref64| <= 1e-5, the bound of
+pass F's op: the fn pieces drop ~2^-24 relative, fp32 sums in another order, on the GPU Hopper's truncating MMA
+accumulation); the collapse u equals the model's ``hc_collapse`` within the fp32 error of a sum of n products in
+another order, possibly fused (2^-21 of the sum of the terms' magnitudes), plus one bf16 step where the two sums
+round to neighbours. The GPU test runs a full-size width (D 5,120).
+Legend: T tokens, n streams, D width, M mixer outputs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from minidi.model.hyper_connections import hc_collapse
+from minidi.ops import _triton_utils
+from minidi.ops.hc_mix import SPLITS, hc_mix_fused, hc_mix_partials_ref, launch
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+SHAPES = [(1, 4, 64), (37, 4, 200), (70, 2, 320), (5, 4, 24)]  # ragged T, n, D (D < BD, D not a multiple of BD)
+
+
+@pytest.fixture(autouse=True)
+def _no_tf32():
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = old
+
+
+def make(t, n, d, dtype=torch.bfloat16, m=24, device=DEV, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(t, n, d, generator=g) * 3).to(dtype)
+    fn = torch.randn(m, n * d, generator=g) * (n * d) ** -0.5
+    pre = torch.rand(t, n, generator=g) + 0.1
+    return x.to(device), fn.to(device), pre.to(device)
+
+
+def rel(out, ref) -> float:
+    return ((out.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+
+
+def refs(x, fn):
+    z = x.reshape(x.shape[0], -1).double()
+    return z @ fn.double().t(), z.square().mean(-1, keepdim=True)
+
+
+def assert_collapse_close(u, x, pre):
+    want = hc_collapse(x, pre)
+    assert u.dtype == want.dtype and u.shape == want.shape
+    tol = (pre.unsqueeze(-1) * x.float()).abs().sum(1) * 2.0**-21
+    if want.dtype == torch.bfloat16:
+        tol = tol + want.float().abs() * 2.0**-7
+    err = (u.float() - want.float()).abs()
+    assert (err <= tol).all(), f"collapse off by {(err - tol).max().item():.3g} over the bound"
+
+
+needs_kernel = pytest.mark.skipif(DEV == "cpu" and not _triton_utils.interpreting(),
+                                  reason="kernel needs CUDA or TRITON_INTERPRET=1")
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("t,n,d", SHAPES)
+def test_matches_float64_and_the_model(t, n, d, dtype):
+    x, fn, pre = make(t, n, d, dtype)
+    g, ms, u = hc_mix_fused(x, fn, pre, backend="triton")
+    g_ref, ms_ref = refs(x, fn)
+    assert g.shape == (t, 24) and ms.shape == (t, 1) and g.dtype == ms.dtype == torch.float32
+    assert rel(g, g_ref) <= 1e-5, rel(g, g_ref)
+    assert rel(ms, ms_ref) <= 1e-5, rel(ms, ms_ref)
+    assert_collapse_close(u, x, pre)
+    g2, ms2, u2 = hc_mix_fused(x, fn, None, backend="triton")  # no collapse: same projection, no u
+    assert u2.numel() == 0 and torch.equal(g2, g) and torch.equal(ms2, ms)
+
+
+@needs_kernel
+def test_every_output_element_written():
+    """Poisoned outputs: every element of g / ss (zeros in the splits a narrow D leaves unused) and u is written."""
+    x, fn, pre = make(9, 4, 40, device=DEV)  # D 40 < one BD step: one split used of SPLITS
+    g = torch.full((SPLITS, 9, 24), float("nan"), device=DEV)
+    ss = torch.full((SPLITS, 9), float("nan"), device=DEV)
+    u = torch.full((9, 40), float("nan"), device=DEV, dtype=x.dtype)
+    launch(x, fn, pre, g, ss, u)
+    assert not g.isnan().any() and not ss.isnan().any() and not u.isnan().any()
+    assert (g[1:] == 0).all() and (ss[1:] == 0).all()
+
+
+@needs_kernel
+def test_nan_propagates_like_eager():
+    x, fn, pre = make(6, 4, 64)
+    x[2, 1, 5] = float("nan")
+    g, ms, u = hc_mix_fused(x, fn, pre, backend="triton")
+    assert g[2].isnan().all() and ms[2].isnan().all() and u[2, 5].isnan()
+    assert not g[[0, 1, 3, 4, 5]].isnan().any() and not u[2, :5].isnan().any()
+
+
+def test_reference_backend_and_empty_batch():
+    x, fn, pre = make(7, 4, 32, device="cpu")
+    g, ms, u = hc_mix_fused(x, fn, pre, backend="ref")
+    g_ref, ms_ref = refs(x, fn)
+    assert rel(g, g_ref) <= 2e-6 and rel(ms, ms_ref) <= 2e-6
+    assert torch.equal(u, hc_collapse(x, pre))
+    g0, ms0, u0 = hc_mix_fused(x[:0], fn, pre[:0])
+    assert g0.shape == (0, 24) and ms0.shape == (0, 1) and u0.shape == (0, 32)
+
+
+@pytest.mark.parametrize("bad,match", [
+    (lambda x, fn, pre: (x[0], fn, pre), "x must be"),
+    (lambda x, fn, pre: (x.half(), fn, pre), "x must be"),
+    (lambda x, fn, pre: (x, fn[:, :-1], pre), "fn must be"),
+    (lambda x, fn, pre: (x, fn.bfloat16(), pre), "fn must be"),
+    (lambda x, fn, pre: (x, torch.zeros(65, fn.shape[1]), pre), "fn must be"),
+    (lambda x, fn, pre: (x, fn, pre[:, :2]), "pre must be"),
+    (lambda x, fn, pre: (x, fn, pre.double()), "pre must be"),
+    (lambda x, fn, pre: (x.to("meta"), fn, pre), "one device"),
+])
+def test_bad_input_named(bad, match):
+    x, fn, pre = make(4, 4, 16, device="cpu")
+    with pytest.raises(ValueError, match=match):
+        hc_mix_fused(*bad(x, fn, pre))
+
+
+@needs_kernel
+def test_opcheck():
+    x, fn, pre = make(5, 4, 48)
+    torch.library.opcheck(torch.ops.minidi.hc_mix_partials.default, (x, fn, pre))
+    torch.library.opcheck(torch.ops.minidi.hc_mix_partials.default, (x, fn, None))
+
+
+def test_reference_is_the_naive_chain():
+    """The *_ref and the model's plain mixer code compute the same quantities (the pass swaps one for the other)."""
+    x, fn, pre = make(5, 4, 48, device="cpu")
+    g, ss, u = hc_mix_partials_ref(x, fn, pre)
+    z = x.reshape(5, -1).float()
+    assert torch.equal(g[0], z @ fn.t()) and torch.equal(ss[0], z.square().sum(-1))
+    assert torch.equal(u, hc_collapse(x, pre))
+
+
+@pytest.mark.gpu
+def test_gpu_full_width_fp32_level():
+    """D 5,120, n 4 (V4.1-Flash): 80 stream chunks per split; per-chunk promotion keeps the error at fp32 level."""
+    x, fn, pre = make(300, 4, 5120, device="cuda")
+    g, ms, u = hc_mix_fused(x, fn, pre, backend="triton")
+    g_ref, ms_ref = refs(x, fn)
+    assert rel(g, g_ref) <= 1e-5 and rel(ms, ms_ref) <= 1e-5, (rel(g, g_ref), rel(ms, ms_ref))
+    assert_collapse_close(u, x, pre)
