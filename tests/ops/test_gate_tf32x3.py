@@ -19,18 +19,11 @@ from minidi.ops import _triton_utils
 from minidi.ops.gate_tf32x3 import gate_tf32x3, gate_tf32x3_ref
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.usefixtures("no_tf32")  # fp32 references in full fp32 (tests/conftest.py)
 COMBOS = [(torch.bfloat16, torch.bfloat16, "tf32"), (torch.float32, torch.bfloat16, "tf32"),
           (torch.float32, torch.bfloat16, "bf16x3"), (torch.bfloat16, torch.float32, "tf32"),
           (torch.float32, torch.float32, "tf32")]
 BUILTIN = [(torch.float32, torch.bfloat16, "tf32x3_builtin"), (torch.float32, torch.float32, "tf32x3_builtin")]
-
-
-@pytest.fixture(autouse=True)
-def _no_tf32():
-    old = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32 = old
 
 
 def make(t, e, d, x_dtype, w_dtype, device="cpu"):

@@ -19,15 +19,8 @@ from minidi.ops import _triton_utils
 from minidi.ops.hc_mix import SPLITS, hc_mix_fused, hc_mix_partials_ref, launch
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.usefixtures("no_tf32")  # fp32 references in full fp32 (tests/conftest.py)
 SHAPES = [(1, 4, 64), (37, 4, 200), (70, 2, 320), (5, 4, 24)]  # ragged T, n, D (D < BD, D not a multiple of BD)
-
-
-@pytest.fixture(autouse=True)
-def _no_tf32():
-    old = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32 = old
 
 
 def make(t, n, d, dtype=torch.bfloat16, m=24, device=DEV, seed=0):

@@ -19,6 +19,15 @@ def compile_with(module: torch.nn.Module, passes: str, n_sites: int | None = Non
                           expected=expected)
 
 
+def run(module: torch.nn.Module, args: tuple, passes: str, n_sites: int | None = None, strict: bool = False):
+    """``compile_with`` and one call -> (output, the pass manager, its last graph before and after the passes)."""
+    compiled = compile_with(module, passes, n_sites, strict)
+    out = compiled(*args)
+    mgr = compiled.pass_manager
+    before, after = mgr.graphs[-1]
+    return out, mgr, before, after
+
+
 def graph_text(gm: torch.fx.GraphModule) -> str:
     """The readable graph without file comments, trailing blanks or object addresses, its inputs in name order
     (Dynamo orders a graph's placeholders by argument in torch 2.11, by first use in 2.13)."""

@@ -12,7 +12,7 @@ from expecttest import assert_expected_inline
 
 from minidi.model.hyper_connections import hc_collapse, hc_head, hc_mixer
 
-from .helpers import call_targets, compile_with, graph_text
+from .helpers import call_targets, graph_text, run
 
 FUSED = "minidi.ops.hc_mix.hc_mix_fused"
 SINKHORN = "minidi.ops.hc_sinkhorn.hc_sinkhorn"
@@ -36,14 +36,6 @@ def inputs(seed=0, t=8, n=4, d=16, dtype=torch.bfloat16):
     x = torch.randn(t, n, d, generator=g).to(dtype)
     return (x, torch.rand(t, n, generator=g), torch.randn(24, n * d, generator=g) * 0.1, torch.randn(24, generator=g),
             torch.randn(3, generator=g))
-
-
-def run(module, args, passes, n_sites=None, strict=False):
-    compiled = compile_with(module, passes, n_sites, strict)
-    out = compiled(*args)
-    mgr = compiled.pass_manager
-    before, after = mgr.graphs[-1]
-    return out, mgr, before, after
 
 
 def assert_close_to_eager(out, module, args):

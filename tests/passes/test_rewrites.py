@@ -26,7 +26,7 @@ from minidi.model.sparse_attention import sparse_attention_naive
 from minidi.ops.sparse_attention import ROPE_OUT, ROPE_Q, sparse_attention
 from minidi.passes import PassMatchError
 
-from .helpers import call_targets, compile_with, graph_text
+from .helpers import call_targets, compile_with, graph_text, run
 
 
 class Fn(torch.nn.Module):
@@ -36,14 +36,6 @@ class Fn(torch.nn.Module):
 
     def forward(self, *args):
         return self.fn(*args, **self.consts)
-
-
-def run(module, args, passes, n_sites=None, strict=False):
-    compiled = compile_with(module, passes, n_sites, strict)
-    out = compiled(*args)
-    mgr = compiled.pass_manager
-    before, after = mgr.graphs[-1]
-    return out, mgr, before, after
 
 
 # ---- C: moe combine -------------------------------------------------------------------------------------------------
