@@ -8,7 +8,8 @@
   (zero: balanced routing, the default; random: the old 0.3·N, expert loads max/mean 16.6 at V4.1 EP4), and
   ``emulate_ep`` N builds one rank of EP N (``minidi.runtime.expert_parallel``).
 - Cache: one sequence whose first ``cached`` positions are in the cache, filled with random rows (window ring,
-  compressed KV, indexer keys, pending compressor rows) instead of a real prefill of the prefix; then ``new`` new
+  compressed KV, indexer keys (fq4 values with fake quant on, as the model writes them), pending compressor rows)
+  instead of a real prefill of the prefix; then ``new`` new
   tokens in one step. Every timed step re-runs that same step: its cache writes land in rows after the prefix (and
   in the window ring / pending rows, which it overwrites with the same kind of values), so each step does identical
   work on an identical cache shape.
@@ -141,7 +142,8 @@ def build_workload(model: Transformer, new: int, cached: int, seqs: int, seed: i
         tokens = torch.randint(0, cfg.vocab_size, (new + h,), generator=gen).tolist()
         items.append(StepItem(seq, tokens[h:], tokens[:h] if cached else []))
     if cached:
-        notes.append(f"cache: {cached:,} cached positions per sequence filled with random rows (no prefill of the "
+        notes.append(f"cache: {cached:,} cached positions per sequence filled with random rows (indexer keys fq4 "
+                     "with fake quant on; no prefill of the "
                      f"prefix); each timed step re-runs the same {new:,}-token step on it")
     if pool_factor > 1:
         notes.append(f"cache pools: {pool_factor}x the positions the step needs")
