@@ -4,6 +4,7 @@ Only what the benchmark reports is checked, never how fast it was."""
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import json
 
@@ -390,3 +391,21 @@ def test_inductor_bytes_compiles_with_inductor_byte_counts():
     for mode, on in (("eager", True), ("compile", False)):
         with _compile_settings(mode, argparse.Namespace(inductor_bytes=on)):
             assert (cfg.benchmark_kernel, cfg.fx_graph_cache) == before
+
+
+@pytest.mark.parametrize("fake_quant", [True, False])
+def test_random_cache_holds_fq4_index_keys_like_the_model(fake_quant):
+    """The random prefix's indexer keys are what the model writes (fq4 with fake quant on), so pass B's FP8 score
+    meets the cache a real prefix gives it (round 11: random normal keys sent every row to its bf16 fallback)."""
+    from bench.prefill_workload import fill_random
+    from minidi.model.presets import preset
+    from minidi.model.quant import fq4_ue8m0
+    from minidi.runtime.cache import CacheManager
+
+    cfg = dataclasses.replace(preset("tiny-v41"), fake_quant=fake_quant)
+    cm = CacheManager(cfg, max_slots=1, max_tokens=256, device="cpu")
+    fill_random(cm, 0)
+    assert cm.tensors.index_k
+    for k in cm.tensors.index_k.values():
+        assert k.abs().sum() > 0
+        assert torch.equal(fq4_ue8m0(k.float(), 32).to(k.dtype), k) == fake_quant
