@@ -28,7 +28,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._triton_utils import cannot_run, interpreting, mma, resolve_backend, triton_can_run
+from . import indexer_score_fp8 as _fp8
+from ._indexer_blocks import _block, _pow2, _record
+from ._triton_utils import cannot_run, interpreting, resolve_backend, triton_can_run
 from .topk import topk_indices_ref
 
 _QK_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -36,28 +38,6 @@ MMA_KINDS = ("native", "fp8")  # the score MMA: the operands' own dtype (today's
 
 
 # ----------------------------------------------------------------------------------------------------------- kernels
-@triton.jit
-def _block(k_ptrs, kmask, qT, w, n, ks, ke, out_ptrs, smask, cmax_ptrs, tmask,
-           QB: tl.constexpr, HP: tl.constexpr, BN: tl.constexpr, MASKED: tl.constexpr, KMASK: tl.constexpr,
-           WRITE_CMAX: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr):
-    """One key block: k [BN, DP] @ q^T [DP, QB*HP] -> relu, * w, sum over each query's heads -> [BN, QB]; store
-    it, and (WRITE_CMAX) each query's max over the block [QB] for the top-k bound.
-    MASKED=False is the fast path (every key of the block visible to every query: no masks on loads or scores)."""
-    if KMASK:
-        kt = tl.load(k_ptrs, mask=kmask, other=0.0)
-    else:
-        kt = tl.load(k_ptrs)
-    acc = mma(kt, qT, tl.zeros((BN, QB * HP), dtype=tl.float32), IEEE, INTERPRET)  # [BN, QB*HP]
-    s = tl.maximum(acc, 0.0) * w[None, :]
-    s = tl.sum(tl.reshape(s, (BN, QB, HP)), axis=2)  # [BN, QB]
-    if MASKED:
-        s = tl.where((n[:, None] >= ks[None, :]) & (n[:, None] < ke[None, :]), s, float("-inf"))
-    s = s.to(out_ptrs.dtype.element_ty)
-    tl.store(out_ptrs, s, mask=smask)
-    if WRITE_CMAX:
-        tl.store(cmax_ptrs, tl.max(s.to(tl.float32), axis=0), mask=tmask)
-
-
 @triton.jit
 def _score_kernel(
     q_ptr, k_ptr, w_ptr, ks_ptr, ke_ptr, out_ptr, cmax_ptr,
@@ -135,17 +115,6 @@ def _score_kernel(
 
 
 # ---------------------------------------------------------------------------------------------------------- launchers
-def _pow2(x: int, lo: int = 1) -> int:
-    return max(lo, triton.next_power_of_2(int(x)))
-
-
-def _record(info: dict | None, kern, grid: int) -> None:
-    """Registers / spills / shared memory of a launched kernel (None under the interpreter)."""
-    if info is not None:
-        info.update(grid=grid, n_regs=getattr(kern, "n_regs", None), n_spills=getattr(kern, "n_spills", None),
-                    shared=getattr(getattr(kern, "metadata", None), "shared", None))
-
-
 def default_score_config(h: int, dtype: torch.dtype) -> dict:
     """Tile config for the dense kernel (H200-tuned; tests on the interpreter use smaller tiles)."""
     hp = _pow2(h)
@@ -317,10 +286,6 @@ def indexer_topk(
         cmax, chunk = None, 0
     return torch.ops.minidi.topk_indices(scores, kk, k_start, k_end, cmax, chunk), scores
 
-
-# the FP8 path reuses this file's block and helpers: imported last, as a module (it imports from here, and may be
-# imported first), its names looked up at call time
-from . import indexer_score_fp8 as _fp8  # noqa: E402
 
 __all__ = [
     "indexer_score", "indexer_topk", "indexer_score_ref", "default_score_config", "MMA_KINDS",

@@ -33,7 +33,7 @@ import triton.language as tl
 
 from ._triton_utils import cannot_run, interpreting, num_sms, triton_can_run
 from .indexer_fp8_quant import _launch_rebase
-from .indexer_score import _block, _pow2, _record
+from ._indexer_blocks import _block, _pow2, _record
 
 
 @triton.jit
