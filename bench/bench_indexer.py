@@ -10,11 +10,12 @@ config and a small sweep of configs (so one run tells what to change). Correctne
 before timing: scores vs float64 on sampled rows (and the bf16 plain path's error on the same rows), top-512 set
 overlap vs torch.topk on the same scores, fused top-k vs standalone.
 
-FP8 part (``--only fp8``): fq4 q / k (the model's fake quant: ``fq4_ue8m0(randn, 32)``), the bf16 kernel and the FP8
-kernel (``mma="fp8"``: rebase to e4m3 + one power of two per row, FP8 MMA, fixup of inexact tiles) in the same run,
-each with its error vs float64 on sampled rows; configs, Triton's fp8 accumulation promotion (``promote``), the
-rebase / fixup costs, and a run with 0.1 % of the key rows made inexact (the fallback's cost). % of peak against
-the FP8 dense peak measured here with ``torch._scaled_mm`` (quoted 1,438) and the bf16 one (quoted 785).
+FP8 part (``--only fp8``, in ``indexer_fp8_cases.py``): fq4 q / k (the model's fake quant: ``fq4_ue8m0(randn, 32)``),
+the bf16 kernel and the FP8 kernel (``mma="fp8"``: rebase to e4m3 + one power of two per row, FP8 MMA, fixup of
+inexact tiles) in the same run, each with its error vs float64 on sampled rows; configs, Triton's fp8 accumulation
+promotion (``promote``), the rebase / fixup costs, and a run with 0.1 % of the key rows made inexact (the fallback's
+cost). % of peak against the FP8 dense peak measured here with ``torch._scaled_mm`` (quoted 1,438) and the bf16 one
+(quoted 785). ``--only fp8e2e``: pass B's whole call, native vs FP8.
 
 Usage: python bench/bench_indexer.py [--out PATH] [--no-compile] [--only score,topk,fp8]
 Prints a card, tables, and as the LAST line one JSON object.
@@ -31,17 +32,15 @@ from minidi.ops.indexer_score import (
     _launch_score,
     default_score_config,
     indexer_score_ref,
-    indexer_topk,
 )
 from minidi.ops.topk import _launch_topk
-from minidi.model.quant import fq4_ue8m0
-from minidi.ops.indexer_fp8_quant import rebase_e4m3
-from minidi.ops.indexer_score_fp8 import _launch_score_fp8, default_fp8_config
 
 if __package__:  # python -m bench.bench_indexer, the tests
     from . import common
+    from . import indexer_fp8_cases as fp8_cases
 else:  # python bench/bench_indexer.py: the script's folder is sys.path[0]
     import common
+    import indexer_fp8_cases as fp8_cases
 
 T, H, D, N, K, PREFIX = 4096, 32, 128, 131072, 512, 126976
 DEV = "cuda"
@@ -56,16 +55,6 @@ SCORE_CONFIGS = {  # name: (BN, QB, num_warps, num_stages, blocks_per_prog)
     "128x256 w8 s2": dict(BN=128, QB=8, num_warps=8, num_stages=2, blocks_per_prog=64),
     "256x128 w8 s2": dict(BN=256, QB=4, num_warps=8, num_stages=2, blocks_per_prog=32),
 }
-FP8_CONFIGS = {  # overrides of default_fp8_config: BN, QB, num_warps, num_stages, blocks_per_prog, promote
-    "fp8 default 64x128 w4 s3": dict(),
-    "fp8 64x128 w4 s4": dict(num_stages=4),
-    "fp8 64x128 w4 s3 bpp256": dict(blocks_per_prog=256),
-    "fp8 64x256 w4 s3": dict(QB=8),
-    "fp8 64x128 w4 s3 promote64": dict(promote=64),
-    "fp8 64x128 w4 s3 promote32": dict(promote=32),
-    "fp8 64x64 w4 s3 promote32": dict(QB=2, promote=32),
-}
-QUOTED_PEAKS = dict(fp8=1438.0, bf16=785.0)  # TFLOP/s measured on an H200 in earlier rounds (README, issue 21)
 TOPK_CONFIGS = {  # NS chunks per row (CH = N / NS columns each), CAP candidates, TILE columns per compaction step
     "default NS2048 tile2048 w8": dict(),
     "tile4096 w8": dict(TILE=4096),
@@ -126,180 +115,6 @@ def err_vs_f64(scores, q, k, w, ks, ke, rows) -> float:
     return ((scores[rows].double() - ref)[fin].abs().max() / ref[fin].abs().max()).item()
 
 
-def rel_errs(scores, q, k, w, ks, ke, rows) -> dict:
-    """max |s - s64| / max |s64| and ||s - s64|| / ||s64|| over the finite entries of the sampled rows."""
-    ref = indexer_score_ref(q[rows], k, w[rows], ks[rows], ke[rows], compute_dtype=torch.float64)
-    fin = torch.isfinite(ref)
-    d, r = (scores[rows].double() - ref)[fin], ref[fin]
-    ok = bool(torch.equal(torch.isfinite(scores[rows]), fin))
-    return dict(max_rel=(d.abs().max() / r.abs().max()).item(), rms_rel=(d.norm() / r.norm()).item(), inf_ok=ok)
-
-
-def fp8_peak(dev: str) -> float:
-    """Dense FP8 TFLOP/s of torch._scaled_mm at 8192^3 (e4m3, bf16 out); nan where unavailable."""
-    try:
-        m = 8192
-        a = torch.randn(m, m, device=dev).to(torch.float8_e4m3fn)
-        b = torch.randn(m, m, device=dev).to(torch.float8_e4m3fn).t()
-        one = torch.ones((), device=dev)
-        ms = timed(lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16))
-        return 2 * m**3 / ms / 1e9
-    except Exception as e:  # report, keep going
-        common.say(f"  fp8 peak: {type(e).__name__}: {str(e)[:120]}")
-        return float("nan")
-
-
-def bench_fp8(res: dict, ks, ke, flops, flops_causal, rows) -> None:
-    """The FP8 path beside the bf16 kernel on the same fq4 inputs (see the module doc)."""
-    pk8 = fp8_peak(DEV) if DEV == "cuda" else float("nan")
-    pk16 = res["peaks"]["bf16_tflops"]
-    out = res["fp8"] = dict(fp8_peak_tflops=pk8, quoted_peaks=QUOTED_PEAKS, configs={})
-    common.say(f"\nFP8 score on fq4 q/k (TFLOP/s over the full N; % of the fp8 peak measured now {pk8:.0f} / quoted "
-               f"{QUOTED_PEAKS['fp8']:.0f}, and of bf16 {pk16:.0f} / quoted {QUOTED_PEAKS['bf16']:.0f})")
-    q = fq4_ue8m0(torch.randn(T, H, D, device=DEV), 32).bfloat16()
-    k = fq4_ue8m0(torch.randn(N, D, device=DEV), 32).bfloat16()
-    w = torch.randn(T, H, device=DEV) * (D**-0.5 * H**-0.5)
-
-    def line(name, ms, errs, note=""):
-        tf = flops / ms / 1e9
-        common.say(f"  {name:<34} {ms:8.3f} ms {tf:7.1f} TFLOP/s {100 * tf / QUOTED_PEAKS['fp8']:5.1f}% fp8 "
-                   f"{100 * tf / QUOTED_PEAKS['bf16']:5.1f}% bf16 | err max {errs.get('max_rel', float('nan')):.2e} "
-                   f"rms {errs.get('rms_rel', float('nan')):.2e} {note}")
-        return dict(ms=ms, tflops=tf, tflops_causal=flops_causal / ms / 1e9, pct_fp8_quoted=100 * tf /
-                    QUOTED_PEAKS["fp8"], pct_bf16_quoted=100 * tf / QUOTED_PEAKS["bf16"], **errs)
-
-    nat, _ = _launch_score(q, k, w, ks, ke, torch.float32, False)
-    ms = timed(lambda: _launch_score(q, k, w, ks, ke, torch.float32, False))
-    out["bf16_kernel"] = line("bf16 kernel (default)", ms, rel_errs(nat, q, k, w, ks, ke, rows))
-    del nat
-    free()
-    for name, cfg in FP8_CONFIGS.items():
-        info: dict = {}
-        try:
-            s8, _ = _launch_score_fp8(q, k, w, ks, ke, torch.float32, False, info=info, **cfg)
-            errs = rel_errs(s8, q, k, w, ks, ke, rows)
-            del s8
-            ms = timed(lambda: _launch_score_fp8(q, k, w, ks, ke, torch.float32, False, **cfg))
-            rec = line(name, ms, errs, f"regs {info.get('n_regs')} spills {info.get('n_spills')} "
-                       f"smem {info.get('shared')}")
-            rec.update(info, config=cfg)
-        except Exception as e:
-            rec = dict(error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300])
-            common.say(f"  {name:<34} FAILED {rec['error']}")
-        out["configs"][name] = rec
-        free()
-    good = {n: r for n, r in out["configs"].items() if "ms" in r and r.get("inf_ok")}
-    if good:
-        best = min(good, key=lambda n: good[n]["ms"])
-        out.update(best=best, best_ms=good[best]["ms"], best_tflops=good[best]["tflops"],
-                   speedup_vs_bf16_kernel=out["bf16_kernel"]["ms"] / good[best]["ms"])
-    # GPU time of the launches alone (CUDA graph replay: no Python / dispatch time), and the chunk maxima the fused
-    # top-k needs (pass B's call): the bf16 kernel's, the FP8 kernel's per quarter block (default) and per block
-    q2 = q.view(T * H, D)
-    g = out["graph_ms"] = {}
-    for name, fn in (
-            ("bf16 kernel", lambda: _launch_score(q, k, w, ks, ke, torch.float32, False)),
-            ("bf16 kernel + chunk maxima", lambda: _launch_score(q, k, w, ks, ke, torch.float32, True)),
-            ("fp8 default", lambda: _launch_score_fp8(q, k, w, ks, ke, torch.float32, False)),
-            ("fp8 default + chunk maxima", lambda: _launch_score_fp8(q, k, w, ks, ke, torch.float32, True)),
-            ("fp8 + chunk maxima, cmax_split 1",
-             lambda: _launch_score_fp8(q, k, w, ks, ke, torch.float32, True, cmax_split=1)),
-            ("fp8 default, no fixup launch", lambda: _launch_score_fp8(q, k, w, ks, ke, torch.float32, False,
-                                                                        fixup=False)),
-            ("rebase q (groups of 4 H rows)", lambda: rebase_e4m3(q2, 4 * H)),
-            ("rebase k (groups of 64 rows)", lambda: rebase_e4m3(k, 64))):
-        try:
-            g[name] = timed_graph(fn)
-            common.say(f"  graph replay: {name:<34} {g[name]:8.3f} ms {flops / g[name] / 1e9:7.1f} TFLOP/s")
-        except Exception as e:
-            g[name] = f"{type(e).__name__}: {str(e)[:200]}"
-            common.say(f"  graph replay: {name:<34} FAILED {g[name]}")
-    if isinstance(g.get("bf16 kernel + chunk maxima"), float) and isinstance(g.get("fp8 default + chunk maxima"),
-                                                                           float):
-        out["speedup_with_cmax_graph"] = g["bf16 kernel + chunk maxima"] / g["fp8 default + chunk maxima"]
-    # pass B's whole call (scores + top-512), graph replay: the fused bound (chunk maxima from the score kernel)
-    # against the top-k's own bound kernel on scores written without maxima
-    sc8, cm8 = _launch_score_fp8(q, k, w, ks, ke, torch.float32, True)
-    topk, bn8 = torch.ops.minidi.topk_indices, default_fp8_config(H)["BN"]
-    e2e = out["topk_graph_ms"] = {}
-    for name, fn in (
-            ("top-512, fused bound", lambda: topk(sc8, K, ks, ke, cm8, bn8)),
-            ("top-512, own bound", lambda: topk(sc8, K, ks, ke, None, 0)),
-            ("indexer_topk native", lambda: indexer_topk(q, k, w, ks, ke, K)),
-            ("indexer_topk fp8", lambda: indexer_topk(q, k, w, ks, ke, K, mma="fp8"))):
-        try:
-            e2e[name] = timed_graph(fn)
-            common.say(f"  graph replay: {name:<34} {e2e[name]:8.3f} ms")
-        except Exception as e:
-            e2e[name] = f"{type(e).__name__}: {str(e)[:200]}"
-            common.say(f"  graph replay: {name:<34} FAILED {e2e[name]}")
-    i8, _ = indexer_topk(q, k, w, ks, ke, K, mma="fp8")
-    i16, _ = indexer_topk(q, k, w, ks, ke, K)
-    out["topk_overlap_fp8_vs_native"] = overlap(i8, i16, N)
-    common.say(f"  top-{K} picks fp8 vs native: overlap {out['topk_overlap_fp8_vs_native']:.6f}")
-    sc8 = cm8 = i8 = i16 = None
-    free()
-    # 0.1 % of key rows inexact (a block 2^20 below the rest): their key blocks run the bf16 dot
-    bad = torch.randperm(N, device=DEV)[: N // 1000]
-    kb = k.clone()
-    kb[bad, :32] *= 2.0**-20
-    s8, _ = _launch_score_fp8(q, kb, w, ks, ke, torch.float32, False)
-    errs = rel_errs(s8, q, kb, w, ks, ke, rows)
-    del s8
-    ms = timed(lambda: _launch_score_fp8(q, kb, w, ks, ke, torch.float32, False))
-    n_blocks = torch.zeros(N // 64, dtype=torch.bool, device=DEV).index_fill_(0, bad // 64, True).sum().item()
-    out["inexact_0p1pct"] = line("fp8, 0.1% key rows inexact", ms, errs, f"({n_blocks} of {N // 64} key blocks)")
-    free()
-    # accumulation: fq4 inputs whose blocks span up to 2^12 (still exact as e4m3 * 2^s), so the products of a row
-    # span ~2^19: the FP8 MMA's reduced-precision adds show here (Triton's promotion every 64 / 32 of D beside it)
-    common.say("  wide block-scale spread (blocks x 2^U{0..12} before fq4): error vs float64")
-    qw = fq4_ue8m0(torch.randn(T, H, D, device=DEV) * 2.0 ** torch.randint(0, 13, (T, H, D // 32, 1), device=DEV)
-                   .repeat_interleave(32, 2).squeeze(-1).float(), 32).bfloat16()
-    kw = fq4_ue8m0(torch.randn(N, D, device=DEV) * 2.0 ** torch.randint(0, 13, (N, D // 32, 1), device=DEV)
-                   .repeat_interleave(32, 1).squeeze(-1).float(), 32).bfloat16()
-    wide = out["wide_spread"] = dict(q_rows_exact=rebase_e4m3(qw.view(T * H, D))[2].float().mean().item(),
-                                     k_rows_exact=rebase_e4m3(kw)[2].float().mean().item())
-    s16, _ = _launch_score(qw, kw, w, ks, ke, torch.float32, False)
-    wide["bf16 kernel"] = rel_errs(s16, qw, kw, w, ks, ke, rows)
-    del s16
-    for name, p in (("fp8", 0), ("fp8 promote64", 64), ("fp8 promote32", 32)):
-        s8, _ = _launch_score_fp8(qw, kw, w, ks, ke, torch.float32, False, promote=p)
-        wide[name] = rel_errs(s8, qw, kw, w, ks, ke, rows)
-        del s8
-    for name in ("bf16 kernel", "fp8", "fp8 promote64", "fp8 promote32"):
-        common.say(f"    {name:<16} max {wide[name]['max_rel']:.2e} rms {wide[name]['rms_rel']:.2e}")
-    common.say(f"    rows exact as e4m3 * 2^s: q {wide['q_rows_exact']:.4f} k {wide['k_rows_exact']:.4f}")
-    free()
-
-
-def bench_fp8_e2e(res: dict, ks, ke) -> None:
-    """Pass B's call, ``indexer_topk`` (scores + top-512), native vs mma="fp8", graph replay, on fq4 inputs."""
-    q = fq4_ue8m0(torch.randn(T, H, D, device=DEV), 32).bfloat16()
-    k = fq4_ue8m0(torch.randn(N, D, device=DEV), 32).bfloat16()
-    w = torch.randn(T, H, device=DEV) * (D**-0.5 * H**-0.5)
-    out = res["fp8_e2e"] = {}
-    common.say(f"\nindexer_topk (scores + top-{K}) on fq4 q/k, graph replay")
-    for name, mma in (("indexer_topk native", "native"), ("indexer_topk fp8", "fp8")):
-        out[name] = timed_graph(lambda: indexer_topk(q, k, w, ks, ke, K, mma=mma))
-        common.say(f"  {name:<34} {out[name]:8.3f} ms")
-    i8, s8 = indexer_topk(q, k, w, ks, ke, K, mma="fp8")
-    i16, s16 = indexer_topk(q, k, w, ks, ke, K)
-    out["speedup"] = out["indexer_topk native"] / out["indexer_topk fp8"]
-    out["picks_equal"] = bool(torch.equal(i8, i16))
-    out["scores_max_abs_diff"] = (s8 - s16).nan_to_num(0, 0, 0).abs().max().item()
-    common.say(f"  speed-up {out['speedup']:.2f}x | picks equal {out['picks_equal']} | scores max |diff| "
-               f"{out['scores_max_abs_diff']:.2e}")
-
-
-def timed_graph(fn) -> float:
-    """Median ms of CUDA graph replays (triton's do_bench_cudagraph); the wall clock of one call on the CPU."""
-    if DEV == "cpu":
-        return timed(fn)
-    import triton.testing
-
-    return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None)
@@ -314,8 +129,8 @@ def main() -> None:
         args.no_compile = True
         for c in SCORE_CONFIGS.values():
             c.update(QB=c["QB"] * 4, blocks_per_prog=8)  # H 8: same QB*H rows as H 32
-        for name in list(FP8_CONFIGS)[1:]:
-            del FP8_CONFIGS[name]
+        for name in list(fp8_cases.FP8_CONFIGS)[1:]:
+            del fp8_cases.FP8_CONFIGS[name]
     parts = set(args.only.split(","))
     t_start = time.time()
     torch.manual_seed(0)
@@ -343,10 +158,11 @@ def main() -> None:
         sp = f"{base / ms:7.2f}x" if base else "        "
         common.say(f"  {name:<34} {ms:9.3f} ms {rate:9.1f} {unit:<8} {pct:5.1f}% {sp}  {note}")
 
+    shape = fp8_cases.Shape(T, H, D, N, K, DEV, timed, free, overlap)
     if "fp8" in parts:
-        bench_fp8(res, ks, ke, flops, flops_causal, rows)
+        fp8_cases.bench_fp8(res, shape, ks, ke, flops, flops_causal, rows)
     if "fp8e2e" in parts:
-        bench_fp8_e2e(res, ks, ke)
+        fp8_cases.bench_fp8_e2e(res, shape, ks, ke)
     if not parts & {"score", "topk"}:  # the FP8 parts alone
         res["wall_s"] = time.time() - t_start
         common.emit_json(res, out=args.out)

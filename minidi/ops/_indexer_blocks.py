@@ -1,9 +1,10 @@
 """What both indexer score kernels share (``indexer_score.py``, bf16; ``indexer_score_fp8.py``, FP8): the key-block
-step of the dense kernel, and two launcher helpers. A module of its own so that the two kernels' files import it, not
-each other."""
+step of the dense kernel, two launcher helpers and the ops' output shapes. A module of its own so that the two
+kernels' files import it, not each other."""
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -42,3 +43,11 @@ def _record(info: dict | None, kern, grid: int) -> None:
     if info is not None:
         info.update(grid=grid, n_regs=getattr(kern, "n_regs", None), n_spills=getattr(kern, "n_spills", None),
                     shared=getattr(getattr(kern, "metadata", None), "shared", None))
+
+
+def score_outputs(q: torch.Tensor, k: torch.Tensor, out_dtype: torch.dtype, want_cmax: bool, bn: int):
+    """Both score ops' outputs, allocated (their fakes): scores [T, N] ``out_dtype``, and each query's maxima over
+    key blocks of ``bn`` [T, cdiv(N, bn)] fp32 when ``want_cmax`` (else [T, 0])."""
+    t, n = q.shape[0], k.shape[0]
+    return q.new_empty(t, n, dtype=out_dtype), q.new_empty(t, triton.cdiv(n, bn) if want_cmax else 0,
+                                                            dtype=torch.float32)

@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from . import indexer_score_fp8 as _fp8
-from ._indexer_blocks import _block, _pow2, _record
+from ._indexer_blocks import _block, _pow2, _record, score_outputs
 from ._triton_utils import cannot_run, interpreting, resolve_backend, triton_can_run
 from .topk import topk_indices_ref
 
@@ -173,11 +173,7 @@ def _indexer_score_op(
 
 @_indexer_score_op.register_fake
 def _(q, k, w, k_start, k_end, out_dtype, want_cmax):
-    t, h, _ = q.shape
-    n = k.shape[0]
-    bn = default_score_config(h, q.dtype)["BN"]
-    return q.new_empty(t, n, dtype=out_dtype), q.new_empty(t, triton.cdiv(n, bn) if want_cmax else 0,
-                                                            dtype=torch.float32)
+    return score_outputs(q, k, out_dtype, want_cmax, default_score_config(q.shape[1], q.dtype)["BN"])
 
 
 # ---------------------------------------------------------------------------------------------------------- references

@@ -33,7 +33,7 @@ import triton.language as tl
 
 from ._triton_utils import cannot_run, interpreting, num_sms, triton_can_run
 from .indexer_fp8_quant import _launch_rebase
-from ._indexer_blocks import _block, _pow2, _record
+from ._indexer_blocks import _block, _pow2, _record, score_outputs
 
 
 @triton.jit
@@ -295,11 +295,7 @@ def _indexer_score_fp8_op(
 
 @_indexer_score_fp8_op.register_fake
 def _(q, k, w, k_start, k_end, out_dtype, want_cmax):
-    t, h, _ = q.shape
-    n = k.shape[0]
-    bn = default_fp8_config(h)["BN"]
-    return q.new_empty(t, n, dtype=out_dtype), q.new_empty(t, triton.cdiv(n, bn) if want_cmax else 0,
-                                                            dtype=torch.float32)
+    return score_outputs(q, k, out_dtype, want_cmax, default_fp8_config(q.shape[1])["BN"])
 
 
 __all__ = ["default_fp8_config"]

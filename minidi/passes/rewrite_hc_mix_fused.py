@@ -42,11 +42,7 @@ def _projection(node: Node) -> tuple[Node, Node, set[Node]] | None:
     """``gate_tf32x3(x2d, fn)`` (pass F's form) or ``x2d.float() @ fn.float().t()`` -> (x2d, fn, its nodes)."""
     if node.op == "call_function" and node.target is gate_tf32x3 and len(node.args) == 2:
         return node.args[0], node.args[1], {node}
-    gemm = fp32_gemm(node)
-    if gemm is None:
-        return None
-    x2d, fn, nodes = gemm
-    return x2d, fn, nodes
+    return fp32_gemm(node)
 
 
 def _mean_square(z: Node) -> tuple[Node, set[Node]] | None:
