@@ -4,9 +4,10 @@ grouped GEMM, at V4.1-Flash shapes on one GPU, in one run.
 Shapes: w1/w3 (N 2,304, K 5,120) and w2 (N 5,120, K 2,304); EP4 rank (96 experts x 256 rows) and EP1 (384 x 64),
 R = 24,576 rows either way; rows per expert uniform or skewed (lognormal popularity, sigma 1, same R). Compared:
 - gluon sm90: the Hopper Gluon kernel of the op (``fp8_grouped_gemm_sm90.py``, weight scales folded per row by
-  ``fold_fp4_rows``, computed once per weight tensor, not timed), on sm_90 with Triton 3.6; ``--ablate`` also times
-  its variants that drop a stage (wrong results, timing only): sync (every wait immediate), no promotion, no decode,
-  MMA only; ``--gluon-sweep`` other tile configs;
+  ``fold_fp4_rows``, computed once per weight tensor, not timed), on sm_90 with Triton 3.6; ``op_fold_per_call``:
+  the op as pass L calls it (``fold_gate`` on the device every call, the exact kernel's empty launch); ``--ablate``
+  also times its variants that drop a stage (wrong results, timing only): sync (every wait immediate), no
+  promotion, no decode, MMA only; ``--gluon-sweep`` other tile configs;
 - fp8 op (Triton): the Triton kernel of ``fp8_fp4_grouped_mm`` on the split rows (its default config, + a sweep of
   configs on uniform rows);
 - fp8 op + split: the same with ``fq8_split`` of the rows in the timed call (what a pass that cannot fuse the split
@@ -35,7 +36,7 @@ import triton  # noqa: E402
 from minidi.model.moe import grouped_mm  # noqa: E402
 from minidi.model.quant import fq8  # noqa: E402
 from minidi.ops.fp4_grouped_gemm import fp4_dequant_ref, fp4_grouped_mm  # noqa: E402
-from minidi.ops.fp8_grouped_gemm import Fp8GemmConfig, default_config, launch  # noqa: E402
+from minidi.ops.fp8_grouped_gemm import Fp8GemmConfig, default_config, fp8_fp4_grouped_mm, launch  # noqa: E402
 from minidi.ops.fp8_quant import fq8_split  # noqa: E402
 from minidi.ops import fp8_grouped_gemm_sm90 as sm90  # noqa: E402
 
@@ -137,6 +138,8 @@ def main(argv: list[str] | None = None) -> dict:
                     sm90.launch_sm90(q, s, wp, ws, base, offs, out_g, gcfg)
                     case["gluon_check"] = check(out_g, ref)
                     timed["gluon_sm90"] = lambda: sm90.launch_sm90(q, s, wp, ws, base, offs, out_g, gcfg)
+                    # the op as pass L calls it: the fold decided on the device every call (fold_gate), no host sync
+                    timed["op_fold_per_call"] = lambda: fp8_fp4_grouped_mm(q, s, wp, ws, offs, torch.bfloat16)
                 if not args.no_triton_fp8:
                     timed["fp8_op"] = lambda: launch(q, s, wp, ws, offs, out, cfg)
                     timed["fp8_op_with_split"] = lambda: launch(*fq8_split(x, 32), wp, ws, offs, out, cfg)
@@ -206,7 +209,8 @@ def main(argv: list[str] | None = None) -> dict:
 
                 gk = case.get("gluon_sm90", {})
                 common.say(f"{ep} {path} {dist:<8} gluon {tf('gluon_sm90')} TFLOP/s ({gk.get('ms', float('nan')):.3f} "
-                           f"ms, {gk.get('pct_fp8_peak', '')}% fp8, ok {gk.get('ok', '')}) | triton fp8 "
+                           f"ms, {gk.get('pct_fp8_peak', '')}% fp8, ok {gk.get('ok', '')}) | op, fold per call "
+                           f"{tf('op_fold_per_call')} | triton fp8 "
                            f"{tf('fp8_op')} | bf16 op {tf('bf16_op')} | grouped_mm bf16 {tf('grouped_mm_bf16')} | "
                            f"split {case['fq8_split_alone']['gbps']} GB/s")
                 for row in gl_rows:

@@ -11,7 +11,8 @@ measured in the same run.
   E  router: x [4,096, 5,120] (bf16 or fp32) @ weight [384, 5,120] bf16 -> fp32. FLOPs = 2 T D E (counted once);
      error = max|out - ref64| / max|ref64|; top6 = rows whose top-6 of sqrt(softplus) + bias equals float64's.
   H  activation: g, v [R 98,304, I 2,304] bf16 (EP4: 96 experts x 256 local rows, the rest other ranks') -> clipped
-     SwiGLU x weight -> bf16 -> fq8. Bytes = the local rows' g, v read + a written (the op's minimum).
+     SwiGLU x weight -> bf16 -> fq8 (blocks of 32, V4.1). Bytes = the local rows' g, v read + a written (the op's
+     minimum); pass L's form writes e4m3 values + one fp32 scale per 32 instead of a.
   I  gather: x [16,384, 5,120] bf16 -> x[idx] [98,304, 5,120], a quarter local. Bytes = local rows read + written.
 
 Usage: python bench/bench_moe_small_ops.py [--only C,E,H,I] [--out PATH]; --smoke runs tiny shapes (CPU interpreter ok).
@@ -204,7 +205,7 @@ def _ep4_offs(r: int, experts: int) -> torch.Tensor:
 
 
 def bench_activation(pk: dict, smoke: bool) -> list:
-    r, i, experts, limit, block = (256, 256, 4, 10.0, 128) if smoke else (98304, 2304, 96, 10.0, 128)
+    r, i, experts, limit, block = (256, 256, 4, 10.0, 32) if smoke else (98304, 2304, 96, 10.0, 32)  # V4.1: 32
     torch.manual_seed(0)
     g = torch.randn(r, i, device=DEV, dtype=torch.bfloat16) * 4
     v = torch.randn(r, i, device=DEV, dtype=torch.bfloat16) * 4
@@ -233,6 +234,13 @@ def bench_activation(pk: dict, smoke: bool) -> list:
     ms = common.op_ms(lambda: h_op.moe_activation(g, v, ws, offs, limit, block), DEV, smoke)
     common.table_row(table, "minidi op (local rows)", ms, nbytes, "GB/s", pk, base, differ_share=share,
                      within_one_e4m3_step=within)
+    q, s = h_op.moe_activation_fp8(g, v, ws, offs, limit, block)  # pass L's form: e4m3 values + scales
+    same = torch.equal((q[:n].float() * s[:n].repeat_interleave(block, 1)), out[:n].float())
+    if not same:
+        FAILURES.append("moe_activation_fp8: q * s differs from moe_activation's output")
+    ms8 = common.op_ms(lambda: h_op.moe_activation_fp8(g, v, ws, offs, limit, block), DEV, smoke)
+    common.table_row(table, "minidi op, FP8 operands (pass L)", ms8, n * i * (2 * 2 + 1 + 4 / block), "GB/s", pk,
+                     base, q_times_s_equal=same)
     common.print_table("H moe_activation (bytes: local rows' g, v read + a written)", table)
     return table
 

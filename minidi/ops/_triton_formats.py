@@ -1,5 +1,6 @@
 """Triton twins of ``minidi.formats`` (a kernel cannot call torch), shared by the ops that quantise or decode:
-``moe_activation.py`` (fq8 in the epilogue), ``fp8_quant.py`` (fq8_split), ``fp4_grouped_gemm.py`` and
+``moe_activation.py`` (fq8 in the epilogue, or its e4m3 bytes and scales), ``fp8_quant.py`` (fq8_split),
+``indexer_fp8_quant.py`` (e4m3 bytes in the interpreter), ``fp4_grouped_gemm.py`` and
 ``fp8_grouped_gemm.py`` (E8M0 weight scales). The op tests hold each equal to its torch original
 (test_moe_activation.py::test_pow2_ceil_twin and its e4m3 grid test, test_fp4_grouped_gemm.py::
 test_decode_matches_formats, test_fp8_quant.py)."""
@@ -29,6 +30,19 @@ def round_e4m3(y):
     c = ((e + 20 + 127) << 23).to(tl.float32, bitcast=True)
     q = (a + c) - c
     return tl.where(y < 0, -q, q)
+
+
+@triton.jit
+def e4m3_bits(v):
+    """fp32 with |v| <= 448 -> the e4m3 byte of its nearest value (ties to even; -0 kept), as int32: ``round_e4m3``,
+    then the byte assembled from the rounded value's bits. The interpreter's stand-in for the hardware conversion
+    (its own fp32 -> fp8 cast truncates, and drops the sign of -0 with some NumPy versions)."""
+    r = tl.abs(round_e4m3(v))  # the rounded magnitude, an e4m3 value
+    rb = r.to(tl.int32, bitcast=True)
+    re = ((rb >> 23) & 0xFF) - 127
+    normal = ((re + 7) << 3) | ((rb >> 20) & 7)
+    sub = (r * 512.0).to(tl.int32)  # multiples of 2^-9 below 2^-6: codes 0..7
+    return tl.where(re >= -6, normal, sub) | (((v.to(tl.int32, bitcast=True) >> 31) & 1) << 7)
 
 
 @triton.jit

@@ -11,8 +11,8 @@ e4m3 value: a 16-entry table), then acc += partial * s_x[r, b] * s_w[n, b] in fp
 path's product; only the order of the fp32 sums and the tensor core's accumulation inside a block differ.
 
 GPU path on Hopper (sm_90, Triton 3.6): the warp-specialised Gluon kernel of ``fp8_grouped_gemm_sm90.py`` (the
-weights' scales folded per output row where lossless, ``fold_fp4_rows``); elsewhere, and for weights that do not
-fold, the Triton kernel below (also the interpreter-tested path on CPU).
+weights' scales folded per output row where lossless, ``fold_fp4_rows``, or on the device per call, ``fold_gate``);
+elsewhere, and for weights that do not fold, the Triton kernel below (also the interpreter-tested path on CPU).
 
 Kernel (persistent; the tile schedule of ``_grouped_tiles.py``, from ``offs`` on the device): a tile is BN weight
 rows x BM activation rows of one expert, computed transposed, acc[BN, BM] = W[BN, K] @ x[BM, K]^T, so that the
@@ -37,6 +37,7 @@ import triton.language as tl
 from minidi.formats import FP4_BLOCK, dequant_fp4
 
 from . import fp8_grouped_gemm_sm90 as sm90
+from .fp4_fold_device import fold_gate
 from ._triton_formats import e8m0_to_fp32
 from ._grouped_tiles import e_pow2, expert_m_tiles, m_tile_rows
 from ._triton_utils import cannot_run, interpreting, num_sms, resolve_backend, triton_can_run
@@ -212,12 +213,16 @@ def _fp8_fp4_grouped_mm_op(q: torch.Tensor, s: torch.Tensor, w_packed: torch.Ten
         raise cannot_run("minidi::fp8_fp4_grouped_mm", q, s, w_packed, w_scale, offs)
     q, s, w_packed, w_scale = _unit_last(q), _unit_last(s), _unit_last(w_packed), _unit_last(w_scale)
     out = torch.empty(q.shape[0], w_packed.shape[1], dtype=out_dtype, device=q.device)
-    if sm90.can_run(q, w_packed):  # Hopper: the Gluon kernel, where the weights' scales fold (else exact Triton)
-        base = w_row_base if w_row_base is not None else sm90.fold_fp4_rows(w_scale)
-        if base is not None:
-            sm90.launch_sm90(q, s, w_packed, w_scale, base, offs.contiguous(), out)
+    offs = offs.contiguous()
+    if sm90.can_run(q, w_packed):  # Hopper: the Gluon kernel where the weights' scales fold, else the exact Triton
+        if w_row_base is not None:
+            sm90.launch_sm90(q, s, w_packed, w_scale, w_row_base, offs, out)
             return out
-    launch(q, s, w_packed, w_scale, offs.contiguous(), out)
+        base, fold_offs, exact_offs = fold_gate(w_scale, offs)  # decided on the device: no host sync
+        sm90.launch_sm90(q, s, w_packed, w_scale, base, fold_offs, out)
+        launch(q, s, w_packed, w_scale, exact_offs, out)  # no tile runs unless some weight row does not fold
+        return out
+    launch(q, s, w_packed, w_scale, offs, out)
     return out
 
 
@@ -247,8 +252,9 @@ def fp8_fp4_grouped_mm(q: torch.Tensor, s: torch.Tensor, w_packed: torch.Tensor,
     r < offs[-1]; the rows past offs[-1] are not written (garbage; the ref backend gives zeros). ``backend``: "auto"
     (the kernel where it can run, else the reference), "triton" (the GPU / interpreter kernel: on sm_90 the Gluon
     kernel where the weight scales fold) or "ref" (plain torch, one expert at a time). ``w_row_base``: the weights'
-    ``fold_fp4_rows(w_scale)``, computed once per weight tensor (without it, the sm_90 path computes it every call,
-    one host sync); ignored elsewhere."""
+    ``fold_fp4_rows(w_scale)``, computed once per weight tensor (without it, the sm_90 path folds on the device every
+    call, ``fold_gate``: two small launches, no host sync, the exact kernel where a row does not fold); ignored
+    elsewhere."""
     _check(q, s, w_packed, w_scale, offs, out_dtype, w_row_base)
     if resolve_backend(backend, "fp8_fp4_grouped_mm", q, s, w_packed, w_scale, offs) == "ref":
         return _fp8_fp4_grouped_mm_ref_op(q, s, w_packed, w_scale, offs, out_dtype)

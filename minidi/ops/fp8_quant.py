@@ -23,26 +23,13 @@ import triton.language as tl
 
 from minidi.formats import E4M3_MAX, FQ8_AMAX_FLOOR, fq8_split as fq8_split_ref
 
-from ._triton_formats import pow2_ceil, round_e4m3
+from ._triton_formats import e4m3_bits, pow2_ceil
 from ._triton_utils import cannot_run, interpreting, resolve_backend, triton_can_run
 
 X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 BLOCK_SIZES = (32, 128)
 _E4M3_MAX = tl.constexpr(E4M3_MAX)
 _AMAX_FLOOR = tl.constexpr(FQ8_AMAX_FLOOR)
-
-
-@triton.jit
-def e4m3_bits(v):
-    """fp32 with |v| <= 448 -> the e4m3 byte of its nearest value (ties to even; -0 kept), as int32: ``round_e4m3``,
-    then the byte assembled from the rounded value's bits. The interpreter's stand-in for the hardware conversion
-    (its own fp32 -> fp8 cast truncates, and drops the sign of -0 with some NumPy versions)."""
-    r = tl.abs(round_e4m3(v))  # the rounded magnitude, an e4m3 value
-    rb = r.to(tl.int32, bitcast=True)
-    re = ((rb >> 23) & 0xFF) - 127
-    normal = ((re + 7) << 3) | ((rb >> 20) & 7)
-    sub = (r * 512.0).to(tl.int32)  # multiples of 2^-9 below 2^-6: codes 0..7
-    return tl.where(re >= -6, normal, sub) | (((v.to(tl.int32, bitcast=True) >> 31) & 1) << 7)
 
 
 @triton.jit

@@ -1,4 +1,5 @@
-"""mHC stream mixing without a batched GEMM: mixed[t, k, d] = sum_j comb[t, j, k] * x[t, j, d] (pass G's replacement).
+"""mHC stream mixing without a batched GEMM: mixed[t, k, d] = sum_j comb[t, j, k] * x[t, j, d] (pass G's replacement
+where only the update's einsum matches; the whole update goes to ``hc_expand``).
 
 The model writes this as ``einsum("tjk,tjd->tkd", comb, x)`` (``minidi.model.hyper_connections.hc_expand``). Inductor
 lowers that einsum to a bmm with T batches of [n, n]^T x [n, D] (n = 4): cuBLAS then runs an FFMA kernel that took

@@ -28,9 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._triton_formats import round_e4m3
+from ._triton_formats import e4m3_bits, round_e4m3
 from ._triton_utils import cannot_run, interpreting, resolve_backend, triton_can_run
-from .fp8_quant import e4m3_bits
 
 X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 K_MIN, K_MAX = -60, 60  # exponent range of s: rows outside it count as not exact (fp32 headroom in the epilogue)

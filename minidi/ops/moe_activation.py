@@ -12,7 +12,8 @@ computes those rows and leaves the rest unwritten (as ``fp4_grouped_mm`` does).
 
 Inserted by pass H (``minidi/passes/rewrite_moe_activation.py``).
 
-Kernel: one program per [BR rows, BLOCK channels] tile (BLOCK = the fq8 block). A program whose rows all lie past
+Kernel: one program per [BR rows, NB x BLOCK channels] tile (BLOCK = the fq8 block, NB of them: 256 columns). A
+program whose rows all lie past
 offs[-1] (read on the device, no host sync) returns at once. In the tile:
 - SwiGLU in fp32;
 - one rounding to the output dtype;
@@ -44,13 +45,14 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from minidi.formats import E4M3_MAX, pow2_ceil
+from minidi.formats import E4M3_MAX, fq8_split as fq8_split_ref, pow2_ceil
 
 from ._triton_formats import pow2_ceil as pow2_ceil_k
-from ._triton_formats import round_e4m3
-from ._triton_utils import cannot_run, local_row_count, resolve_backend, round_bf16, triton_can_run
+from ._triton_formats import e4m3_bits, round_e4m3
+from ._triton_utils import cannot_run, interpreting, local_row_count, resolve_backend, round_bf16, triton_can_run
 
 AMAX_FLOOR = 1e-4  # fq8's amax floor (``minidi.model.quant.fq8``)
+TILE_COLS = 256  # columns of a program's tile on the GPU and in the interpreter: NB = TILE_COLS / block fq8 blocks
 OUT_DTYPES = (torch.bfloat16, torch.float32)
 _E4M3_MAX_K = tl.constexpr(E4M3_MAX)  # the kernel's copies: Triton 3.6 jit reads only constexpr globals
 _AMAX_FLOOR_K = tl.constexpr(AMAX_FLOOR)
@@ -89,35 +91,48 @@ def grid_step(ref: torch.Tensor, block: int | None) -> torch.Tensor:
 # ---- kernel --------------------------------------------------------------------------------------------------------
 @triton.jit
 def _moe_activation_kernel(
-        g_ptr, v_ptr, w_ptr, offs_ptr, out_ptr,
-        R, I, E, stride_g, stride_v, stride_w, stride_o, limit,
-        BR: tl.constexpr, BLOCK: tl.constexpr, QUANT: tl.constexpr, ROUND_BF16: tl.constexpr):
+        g_ptr, v_ptr, w_ptr, offs_ptr, out_ptr, s_ptr,
+        R, I, E, stride_g, stride_v, stride_w, stride_o, stride_s, limit,
+        BR: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr, QUANT: tl.constexpr, ROUND_BF16: tl.constexpr,
+        SPLIT: tl.constexpr, INTERPRET: tl.constexpr):
     # the local-rows tile prologue, a deliberate twin of moe_gather._gather_rows_kernel (Triton inlines no shared
     # block-index helper that returns several tensors as cheaply as these six lines)
     n_rows = local_row_count(offs_ptr, E, R)
     r0 = tl.program_id(0) * BR
     if r0 < n_rows:  # a tile past this rank's rows returns at once
         rows = r0 + tl.arange(0, BR)
-        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        blk = tl.program_id(1) * NB + tl.arange(0, NB)  # [NB] the tile's fq8 blocks (column groups of BLOCK)
+        cols = blk[None, :, None] * BLOCK + tl.arange(0, BLOCK)[None, None, :]  # [1, NB, BLOCK]
         rm = rows < n_rows
-        m = rm[:, None] & (cols < I)[None, :]
-        r64 = rows.to(tl.int64)[:, None]
-        g = tl.load(g_ptr + r64 * stride_g + cols[None, :], mask=m, other=0.0).to(tl.float32)
-        v = tl.load(v_ptr + r64 * stride_v + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        m = rm[:, None, None] & (cols < I)  # [BR, NB, BLOCK]
+        r64 = rows.to(tl.int64)[:, None, None]
+        g = tl.load(g_ptr + r64 * stride_g + cols, mask=m, other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + r64 * stride_v + cols, mask=m, other=0.0).to(tl.float32)
         w = tl.load(w_ptr + rows.to(tl.int64) * stride_w, mask=rm, other=0.0).to(tl.float32)
         g = tl.minimum(g, limit, propagate_nan=tl.PropagateNan.ALL)
         v = tl.minimum(tl.maximum(v, -limit, propagate_nan=tl.PropagateNan.ALL), limit,
                        propagate_nan=tl.PropagateNan.ALL)
-        h = g / (1.0 + tl.exp(-g)) * v * w[:, None]  # silu(g) * v * weight, fp32
+        h = g / (1.0 + tl.exp(-g)) * v * w[:, None, None]  # silu(g) * v * weight, fp32
         if ROUND_BF16:
             h = round_bf16(h)  # the model's .to(dtype)
         if QUANT:
-            amax = tl.max(tl.where(m & (h == h), tl.abs(h), 0.0), axis=1)  # [BR], over the finite values
-            s = pow2_ceil_k(tl.math.div_rn(tl.maximum(amax, _AMAX_FLOOR_K), _E4M3_MAX_K))  # [BR] power of two
-            y = tl.math.div_rn(h, s[:, None])  # exact: s is a power of two
+            amax = tl.max(tl.where(m & (h == h), tl.abs(h), 0.0), axis=2)  # [BR, NB], over the finite values
+            s = pow2_ceil_k(tl.math.div_rn(tl.maximum(amax, _AMAX_FLOOR_K), _E4M3_MAX_K))  # [BR, NB] powers of 2
+            y = tl.math.div_rn(h, s[:, :, None])  # exact: s is a power of two
             y = tl.minimum(tl.maximum(y, -_E4M3_MAX_K), _E4M3_MAX_K)
-            h = tl.where(h != h, h, round_e4m3(y) * s[:, None])  # a NaN input stays NaN
-        tl.store(out_ptr + r64 * stride_o + cols[None, :], h.to(out_ptr.dtype.element_ty), mask=m)
+            if SPLIT:  # the e4m3 values and the block's scale (fq8_split's operands), not their product
+                o_ptrs = out_ptr + r64 * stride_o + cols
+                if INTERPRET:  # the interpreter's fp32 -> fp8 cast truncates: the byte by exact arithmetic
+                    b = tl.where(h != h, 0x7F, e4m3_bits(y))  # a NaN input stays NaN (the byte 0x7F)
+                    tl.store(o_ptrs.to(tl.pointer_type(tl.uint8)), b.to(tl.uint8), mask=m)
+                else:  # cvt.rn.satfinite: round_e4m3's grid and ties; a NaN input stays NaN
+                    tl.store(o_ptrs, tl.where(h != h, h, y).to(tl.float8e4nv), mask=m)
+                tl.store(s_ptr + rows.to(tl.int64)[:, None] * stride_s + blk[None, :], s,
+                         mask=rm[:, None] & (blk * BLOCK < I)[None, :])
+            else:
+                h = tl.where(h != h, h, round_e4m3(y) * s[:, :, None])  # a NaN input stays NaN
+        if not SPLIT:
+            tl.store(out_ptr + r64 * stride_o + cols, h.to(out_ptr.dtype.element_ty), mask=m)
 
 
 def _check(g, v, ws, offs, block) -> None:
@@ -153,19 +168,24 @@ def _moe_activation_op(g: torch.Tensor, v: torch.Tensor, ws: torch.Tensor, offs:
 
 
 def launch(g: torch.Tensor, v: torch.Tensor, ws: torch.Tensor, offs: torch.Tensor, limit: float, block: int,
-           out: torch.Tensor) -> None:
+           out: torch.Tensor, scales: torch.Tensor | None = None) -> None:
     """Checked tensors with unit column strides (``block`` 0: no fake quant). Writes the rows of ``out`` below
-    offs[-1] only (tests pass a poisoned ``out``)."""
+    offs[-1] only (tests pass a poisoned ``out``). With ``scales`` [R, I / block] fp32 (and ``block``): ``out`` is
+    float8_e4m3fn and receives the e4m3 values, ``scales`` each block's power-of-two scale."""
     r, i = g.shape
     if r == 0 or i == 0:
         return
     ws = ws.reshape(-1)
-    width = block if block else min(128, triton.next_power_of_2(i))
+    width = block if block else min(128, triton.next_power_of_2(i))  # one fq8 block (or 128 columns) ...
+    nb = max(1, min(TILE_COLS // width, triton.next_power_of_2(triton.cdiv(i, width))))  # ... NB of them a tile
     br = 16 if g.is_cuda else 8
-    grid = (triton.cdiv(r, br), triton.cdiv(i, width))
+    grid = (triton.cdiv(r, br), triton.cdiv(i, width * nb))
+    split = scales is not None
+    s_arg = scales if split else out
     _moe_activation_kernel[grid](
-        g, v, ws, offs, out, r, i, offs.numel(), g.stride(0), v.stride(0), ws.stride(0), out.stride(0), float(limit),
-        BR=br, BLOCK=width, QUANT=bool(block), ROUND_BF16=g.dtype == torch.bfloat16, num_warps=4)
+        g, v, ws, offs, out, s_arg, r, i, offs.numel(), g.stride(0), v.stride(0), ws.stride(0), out.stride(0),
+        s_arg.stride(0), float(limit), BR=br, NB=nb, BLOCK=width, QUANT=bool(block),
+        ROUND_BF16=g.dtype == torch.bfloat16, SPLIT=split, INTERPRET=interpreting(), num_warps=4)
 
 
 @_moe_activation_op.register_fake
@@ -184,3 +204,42 @@ def moe_activation(g: torch.Tensor, v: torch.Tensor, ws: torch.Tensor, offs: tor
     if resolve_backend(backend, "moe_activation", g, v, ws, offs) == "ref":
         return moe_activation_ref(g, v, ws.reshape(-1, 1), offs, limit, block)
     return _moe_activation_op(g, v, ws, offs, float(limit), int(block or 0))
+
+
+# ---- the FP8 GEMM's operands: e4m3 values and scales instead of their product ----------------------------------
+def moe_activation_fp8_ref(g: torch.Tensor, v: torch.Tensor, ws: torch.Tensor, offs: torch.Tensor, limit: float,
+                           block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain torch on every row: ``fq8_split`` of ``moe_activation_ref``'s activation before its fq8 (q * s is that
+    fq8 exactly)."""
+    return fq8_split_ref(moe_activation_ref(g, v, ws, offs, limit, None), block)
+
+
+@torch.library.custom_op("minidi::moe_activation_fp8", mutates_args=())
+def _moe_activation_fp8_op(g: torch.Tensor, v: torch.Tensor, ws: torch.Tensor, offs: torch.Tensor, limit: float,
+                           block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    if not triton_can_run(g, v, ws, offs):
+        raise cannot_run("minidi::moe_activation_fp8", g, v, ws, offs)
+    g, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (g, v))
+    q = torch.empty(g.shape, dtype=torch.float8_e4m3fn, device=g.device)
+    s = torch.empty(g.shape[0], g.shape[1] // block, dtype=torch.float32, device=g.device)
+    launch(g, v, ws, offs, limit, block, q, s)
+    return q, s
+
+
+@_moe_activation_fp8_op.register_fake
+def _(g, v, ws, offs, limit, block):
+    return g.new_empty(g.shape, dtype=torch.float8_e4m3fn), g.new_empty(g.shape[0], g.shape[1] // block,
+                                                                         dtype=torch.float32)
+
+
+def moe_activation_fp8(g: torch.Tensor, v: torch.Tensor, ws: torch.Tensor, offs: torch.Tensor, limit: float,
+                       block: int = 32, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """``moe_activation`` with fake quant, as the FP8 GEMM's operands: (q float8_e4m3fn [R, I], s fp32
+    [R, I / block]) with q * s = ``moe_activation(g, v, ws, offs, limit, block)`` (the same values, bit for bit) for
+    the rows below offs[-1]; the rows past it are not written. ``backend`` as ``moe_activation``'s."""
+    if not isinstance(block, int) or isinstance(block, bool):
+        raise ValueError(f"moe_activation_fp8: block must be an int (the fq8 block), got {block!r}")
+    _check(g, v, ws, offs, block)
+    if resolve_backend(backend, "moe_activation_fp8", g, v, ws, offs) == "ref":
+        return moe_activation_fp8_ref(g, v, ws.reshape(-1, 1), offs, limit, block)
+    return _moe_activation_fp8_op(g, v, ws, offs, float(limit), int(block))

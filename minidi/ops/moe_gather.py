@@ -29,7 +29,8 @@ import triton.language as tl
 
 from ._triton_utils import cannot_run, local_row_count, resolve_backend, triton_can_run
 
-X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+X_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn)  # e4m3: fq8_split's values
+_E4M3_NAN = tl.constexpr(0x7F)  # the e4m3 byte of NaN: the poison of an out-of-range index in an e4m3 gather
 IDX_DTYPES = (torch.int32, torch.int64)
 
 
@@ -42,7 +43,7 @@ def gather_rows_ref(x: torch.Tensor, idx: torch.Tensor, offs: torch.Tensor) -> t
 # ---- kernel --------------------------------------------------------------------------------------------------------
 @triton.jit
 def _gather_rows_kernel(x_ptr, idx_ptr, offs_ptr, out_ptr, T, R, D, E, stride_x, stride_o,
-                        BR: tl.constexpr, BD: tl.constexpr):
+                        BR: tl.constexpr, BD: tl.constexpr, BYTES: tl.constexpr):
     # the local-rows tile prologue, a deliberate twin of moe_activation's kernel (Triton inlines no shared
     # block-index helper that returns several tensors as cheaply as these six lines)
     n_rows = local_row_count(offs_ptr, E, R)
@@ -54,8 +55,12 @@ def _gather_rows_kernel(x_ptr, idx_ptr, offs_ptr, out_ptr, T, R, D, E, stride_x,
         cm = cols < D
         src = tl.load(idx_ptr + rows, mask=rm, other=0).to(tl.int64)
         ok = rm & (src >= 0) & (src < T)  # out of range: NaN row, never an out-of-bounds read
-        v = tl.load(x_ptr + src[:, None] * stride_x + cols[None, :], mask=ok[:, None] & cm[None, :],
-                    other=float("nan"))
+        if BYTES:  # e4m3 rows as raw bytes (uint8 views): NaN is the byte 0x7F
+            v = tl.load(x_ptr + src[:, None] * stride_x + cols[None, :], mask=ok[:, None] & cm[None, :],
+                        other=_E4M3_NAN)
+        else:
+            v = tl.load(x_ptr + src[:, None] * stride_x + cols[None, :], mask=ok[:, None] & cm[None, :],
+                        other=float("nan"))
         tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_o + cols[None, :], v, mask=rm[:, None] & cm[None, :])
 
 
@@ -68,8 +73,11 @@ def launch(x: torch.Tensor, idx: torch.Tensor, offs: torch.Tensor, out: torch.Te
     br = 16 if x.is_cuda else 8
     bd = min(1024 if x.is_cuda else 64, triton.next_power_of_2(d))
     grid = (triton.cdiv(r, br), triton.cdiv(d, bd))
+    byte_rows = x.dtype == torch.float8_e4m3fn  # copied as bytes (the interpreter has no fp8 arrays)
+    if byte_rows:
+        x, out = x.view(torch.uint8), out.view(torch.uint8)
     _gather_rows_kernel[grid](x, idx, offs, out, x.shape[0], r, d, offs.numel(), x.stride(0), out.stride(0),
-                              BR=br, BD=bd, num_warps=4)
+                              BR=br, BD=bd, BYTES=byte_rows, num_warps=4)
 
 
 def _check(x: torch.Tensor, idx: torch.Tensor, offs: torch.Tensor) -> None:
@@ -109,10 +117,10 @@ def _(x, idx, offs):
 
 def gather_rows(x: torch.Tensor, idx: torch.Tensor, offs: torch.Tensor, backend: str = "auto") -> torch.Tensor:
     """[R, D] in x's dtype: row r = x[idx[r]] for r < offs[-1]; the rows past it are not written (garbage), as with
-    the grouped GEMMs that read them. x [T, D] bf16 | fp16 | fp32; idx [R] int32 | int64 in [0, T) (checked on CPU
-    tensors; on the GPU an index out of range gives a NaN row); offs [E] int32 cumulative row ends.
-    ``backend``: "auto" (the kernel where it can run, else the reference), "triton" or "ref" (plain torch, every row
-    gathered; an index out of range raises there)."""
+    the grouped GEMMs that read them. x [T, D] bf16 | fp16 | fp32 | float8_e4m3fn; idx [R] int32 | int64 in [0, T)
+    (checked on CPU tensors; on the GPU an index out of range gives a NaN row, e4m3 NaN bytes in an e4m3 gather);
+    offs [E] int32 cumulative row ends. ``backend``: "auto" (the kernel where it can run, else the reference),
+    "triton" or "ref" (plain torch, every row gathered; an index out of range raises there)."""
     _check(x, idx, offs)
     if resolve_backend(backend, "gather_rows", x, idx, offs) == "ref":
         return gather_rows_ref(x, idx, offs)

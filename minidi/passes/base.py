@@ -49,6 +49,7 @@ class Rewrite:
     key: ClassVar[str]  # one letter: A, B, ...
     name: ClassVar[str]
     in_all: ClassVar[bool] = True  # part of passes="all" (False: opt-in, named on its own)
+    requires: ClassVar[tuple[str, ...]] = ()  # keys of passes whose ops this one rewrites (selected with it)
 
     def __init__(self, op_backend: str = "auto") -> None:
         self.op_backend = op_backend

@@ -11,10 +11,11 @@ see ``docs/passes.md``.
 
 Pass order (each pass sees the graph the previous one left): C moe_combine, E gate_tf32x3, D fp4_grouped_mm,
 A sparse_attention, B indexer_topk, F hc_mix, J hc_mix_fused, K hc_sinkhorn, G hc_expand, H moe_activation,
-I moe_row_gather. The passes touch disjoint subgraphs (B's top-k output feeds A's ``comp_idx``, and both read only
-the other's *result*); H and I read the GEMMs D leaves (either form), and J takes F's projection in either form (F's
-op or the naive GEMM), so apart from fp32 models (where H and I need D first) the order changes no match; it is
-fixed so that logs and graphs are stable.
+I moe_row_gather, L fp8_experts. The passes touch disjoint subgraphs (B's top-k output feeds A's ``comp_idx``, and
+both read only the other's *result*); H and I read the GEMMs D leaves (either form), and J takes F's projection in
+either form (F's op or the naive GEMM), so apart from fp32 models (where H and I need D first) the order changes no
+match; it is fixed so that logs and graphs are stable. L rewrites D's and H's ops (and I's or the naive gather), so
+it comes last and ``select`` refuses it without D and H.
 
     manager = PassManager("all", strict=True, expected=expected_sites(cfg))
     manager.run(gm)                   # rewrites gm in place
@@ -37,6 +38,7 @@ from torch.fx import Graph, GraphModule
 
 from .base import Rewrite, apply_match, site_of
 from .rewrite_fp4_experts import FP4GroupedMM
+from .rewrite_fp8_experts import FP8Experts
 from .rewrite_gate import GateTF32x3
 from .rewrite_hc_expand import HCExpand
 from .rewrite_hc_mix import HCMixTF32x3
@@ -57,7 +59,7 @@ log = logging.getLogger("minidi.passes")
 
 REWRITES: tuple[type[Rewrite], ...] = (MoECombine, GateTF32x3, FP4GroupedMM, SparseAttention, IndexerTopK,
                                         HCMixTF32x3, HCMixFused, HCSinkhorn, HCExpand, MoEActivation,
-                                        MoERowGather)
+                                        MoERowGather, FP8Experts)
 BY_KEY: dict[str, type[Rewrite]] = {r.key: r for r in REWRITES}
 BY_NAME: dict[str, type[Rewrite]] = {r.name: r for r in REWRITES}
 
@@ -87,6 +89,11 @@ def select(passes: str | Iterable[str] | None) -> list[str]:
         else:
             known = ", ".join(f"{r.key} ({r.name})" for r in REWRITES)
             raise ValueError(f"unknown pass {p!r}; known: {known}, or 'all' / 'none'")
+    for k in sorted(keys):
+        missing = [r for r in BY_KEY[k].requires if r not in keys]
+        if missing:
+            raise ValueError(f"pass {k} ({BY_KEY[k].name}) rewrites the ops of passes "
+                             f"{', '.join(f'{r} ({BY_KEY[r].name})' for r in missing)}: select them too")
     return [r.key for r in REWRITES if r.key in keys]
 
 

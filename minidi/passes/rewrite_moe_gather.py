@@ -11,8 +11,8 @@ Replacement::
 
     xs = gather_rows(x, idx, offs)     # rows past offs[-1] not written: nothing reads them
 
-The GEMMs may be ``torch._grouped_mm`` or pass D's ``fp4_grouped_mm`` (I runs after D). With pass D's row-gather
-folding on (``rewrite_fp4_experts.ABSORB_ROW_GATHER``) the gather is gone before I looks, and I matches nothing.
+The GEMMs may be ``torch._grouped_mm`` or pass D's ``fp4_grouped_mm`` (I runs after D). Pass L (after I) then takes
+the gather and its GEMMs onto FP8 where the gathered tokens are fq8 (``rewrite_fp8_experts.py``).
 """
 
 from __future__ import annotations

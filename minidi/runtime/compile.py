@@ -52,6 +52,7 @@ from .regional import RegionalStep, layer_kind
 log = logging.getLogger("minidi.compile")
 
 GEMMS_PER_MOE = 3  # w1, w3, w2: pass D matches each expert GEMM
+FP8_EXPERT_SITES = 2  # pass L: the w1 / w3 GEMMs on one gather (one match), the w2 GEMM on the activation
 HC_SITES_PER_LAYER = 2  # the attention and the FFN mHC site: passes F (mixer) and G (stream update) match each
 def expected_sites(cfg: ModelConfig, regional: bool = False) -> dict[str, list[int | None]]:
     """Layer of every site each pass must match in one model step, from the config.
@@ -63,7 +64,8 @@ def expected_sites(cfg: ModelConfig, regional: bool = False) -> dict[str, list[i
     J: F's sites (each mixer's projection, mean square and, V4.1, the collapse of its input); K: every layer twice
     (each mixer's Sinkhorn; V4's head has none);
     G: every layer twice (the stream update after attention and after the MoE); H and I: every layer (the MoE's
-    expert activation and its dispatch gather; in fp32 models only after D). Only the selected passes are checked."""
+    expert activation and its dispatch gather; in fp32 models only after D); L: every layer twice with fake quant (the
+up and down expert GEMMs on FP8), none without. Only the selected passes are checked."""
     layers = list(range(cfg.n_layers))
     head: list[int | None] = [] if (cfg.is_v41 or regional) else [None]
     return {
@@ -78,7 +80,14 @@ def expected_sites(cfg: ModelConfig, regional: bool = False) -> dict[str, list[i
         "G": [i for i in layers for _ in range(HC_SITES_PER_LAYER)],
         "H": layers,
         "I": layers,
+        "L": [i for i in layers for _ in range(FP8_EXPERT_SITES)] if fp8_experts_apply(cfg) else [],
     }
+
+
+def fp8_experts_apply(cfg: ModelConfig) -> bool:
+    """Pass L has its sites (the up and down expert GEMMs) where the experts' inputs are fq8 in blocks of a multiple
+    of 32: with fake quant on (both presets)."""
+    return cfg.fake_quant and cfg.act_block % 32 == 0
 
 
 def make_backend(manager: PassManager, inner: str | Callable = "inductor", *,

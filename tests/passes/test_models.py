@@ -55,10 +55,10 @@ def test_every_site_matched(compiled):
         assert Counter(compiled.manager.sites[key]) == Counter(layers), key
     if compiled.name == "tiny-v41":
         assert compiled.manager.counts == {"C": 10, "E": 10, "D": 30, "A": 10, "B": 4, "F": 20, "J": 20, "K": 20,
-                                           "G": 20, "H": 10, "I": 10}
+                                           "G": 20, "H": 10, "I": 10, "L": 0}  # L: fake quant off
     else:  # F, J: two mixers per layer + V4's hc_head
         assert compiled.manager.counts == {"C": 4, "E": 4, "D": 12, "A": 4, "B": 2, "F": 9, "J": 9, "K": 8, "G": 8,
-                                           "H": 4, "I": 4}
+                                           "H": 4, "I": 4, "L": 0}
 
 
 def test_logits_equal_uncompiled(compiled):
@@ -85,7 +85,7 @@ def test_naive_ops_gone(compiled):
         "minidi.ops.gate_tf32x3.gate_tf32x3": want["E"],  # the router (J took F's mHC projections)
         "minidi.ops.hc_mix.hc_mix_fused": want["J"],
         "minidi.ops.hc_sinkhorn.hc_sinkhorn": want["K"],
-        "minidi.ops.hc_streams.hc_stream_mix": want["G"],
+        "minidi.ops.hc_expand.hc_expand": want["G"],
         "minidi.ops.moe_activation.moe_activation": want["H"],
         "minidi.ops.moe_gather.gather_rows": want["I"],
     }
@@ -122,7 +122,7 @@ hc_mix_fused
 hc_sinkhorn
 indexer_topk
 sparse_attention
-hc_stream_mix
+hc_expand
 hc_mix_fused
 hc_sinkhorn
 gate_tf32x3
@@ -132,7 +132,7 @@ fp4_grouped_mm
 moe_activation
 fp4_grouped_mm
 moe_combine
-hc_stream_mix""")
+hc_expand""")
 
 
 def _rerun(compiled, passes: str, strict: bool) -> PassManager:
@@ -193,7 +193,7 @@ def test_second_tiny_config_counts_traced():
     model = minidi.load_model("tiny-v41-b", dtype="float32", fake_quant=False)
     want = {k: len(v) for k, v in expected_sites(model.cfg).items()}
     assert trace_counts(model, 24) == want == {"A": 8, "B": 3, "C": 8, "D": 24, "E": 8, "F": 16, "J": 16, "K": 16,
-                                                "G": 16, "H": 8, "I": 8}
+                                                "G": 16, "H": 8, "I": 8, "L": 0}
 
 
 def test_production_settings_counts_traced():

@@ -86,7 +86,7 @@ def test_history_holds_one_entry_per_compiled_graph(regional):
 def test_counts_sum_over_layers(regional):
     want = {k: len(v) for k, v in expected_sites(regional.cfg).items()}
     assert regional.step.counts == want == {"A": 10, "B": 4, "C": 10, "D": 30, "E": 10, "F": 20, "J": 20,
-                                                    "K": 20, "G": 20, "H": 10, "I": 10}
+                                                    "K": 20, "G": 20, "H": 10, "I": 10, "L": 0}
     for i, counts in regional.manager.layer_counts.items():  # each graph: the sites of its own layer
         assert counts == {k: v.count(i) for k, v in expected_sites(regional.cfg).items()}, i
 
@@ -116,7 +116,7 @@ def test_naive_code_gone_from_a_layer_graph(regional):
     assert sorted(ops) == sorted(["indexer_topk", "sparse_attention", "gate_tf32x3", "moe_combine"]
                                  + ["fp4_grouped_mm"] * 3
                                  + ["hc_mix_fused", "hc_sinkhorn"] * 2  # the two mixers (F's projection in J; K)
-                                 + ["hc_stream_mix"] * 2  # and the two stream updates (G)
+                                 + ["hc_expand"] * 2  # and the two stream updates (G)
                                  + ["moe_activation", "gather_rows"])  # the MoE's activation (H) and gather (I)
 
 

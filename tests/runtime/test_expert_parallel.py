@@ -10,7 +10,7 @@ import torch
 import minidi
 from minidi.model.context import ModelCache, StepMeta
 from minidi.model.expert_parallel import ExpertExchange, LocalExperts
-from minidi.runtime.expert_parallel import EmulatedEP
+from minidi.runtime.expert_parallel import EmulatedEP, rotated_blocks, rotated_blocks_ref
 from minidi.runtime.build import model_from_tensors, rank_experts_only
 from minidi.runtime.checkpoint import CheckpointError, load_checkpoint, tiny_checkpoint, write_checkpoint
 from minidi.runtime.random_weights import random_state_dict
@@ -219,6 +219,47 @@ def test_emulated_dispatch_and_combine(n):
         assert torch.equal(idx_all[rows][order], idx) and torch.equal(w_all[rows][order], w)
     partial = torch.randn(n * t, 8, generator=g)
     assert torch.equal(ep.combine(partial), partial[:t])
+
+
+@pytest.mark.parametrize("t,n", [(10, 3), (7, 4), (13, 4), (1, 4), (0, 2), (64, 4)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.int64])
+def test_rotated_blocks_equal_the_rolls(t, n, dtype):
+    """The copy op is ``cat(x.roll(r T // n, 0))`` bit for bit, on ragged T (T not a multiple of n, T < n, empty)."""
+    g = torch.Generator().manual_seed(t * 10 + n)
+    x = (torch.randn(t, 5, 3, generator=g) * 100).to(dtype)
+    out = rotated_blocks(x, n)
+    assert out.shape == (n * t, 5, 3) and out.is_contiguous()
+    assert torch.equal(out, rotated_blocks_ref(x, n))
+    assert torch.equal(rotated_blocks(x.transpose(1, 2), n), rotated_blocks_ref(x.transpose(1, 2), n))
+
+
+def test_rotated_blocks_op_contract():
+    torch.library.opcheck(torch.ops.minidi.rotated_blocks.default, (torch.randn(9, 4), 3))
+    torch.library.opcheck(torch.ops.minidi.rotated_blocks.default, (torch.randint(0, 9, (5, 2)), 2))
+    with pytest.raises(ValueError, match="size >= 1"):
+        rotated_blocks(torch.randn(3, 2), 0)
+
+
+def test_emulated_dispatch_compiles_to_the_copy_op():
+    """Under torch.compile (dynamic T, full graph) the dispatch is the op, not a roll, and gives the same bits at
+    two token counts from one graph."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    ep = EmulatedEP(4)
+    f = torch.compile(ep.dispatch, backend=backend, dynamic=True, fullgraph=True)
+    for t in (12, 13):
+        g = torch.Generator().manual_seed(t)
+        x = torch.randn(t, 8, generator=g).bfloat16()
+        idx, w = torch.randint(0, 8, (t, 2), generator=g), torch.rand(t, 2, generator=g)
+        for got, a in zip(f(x, idx, w), (x, idx, w)):
+            assert torch.equal(got, rotated_blocks_ref(a, 4))
+    assert len(graphs) == 1
+    code = graphs[0].code
+    assert code.count("minidi.rotated_blocks") == 3 and "roll" not in code
 
 
 def test_emulated_ep_needs_two_ranks():

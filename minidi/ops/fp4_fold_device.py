@@ -1,0 +1,98 @@
+"""The sm_90 FP8 expert GEMM's weight-scale fold decided on the device, with no host sync
+(``fp8_grouped_gemm.fp8_fp4_grouped_mm`` uses it when it is not given a base).
+
+``fold_fp4_rows`` (``fp8_grouped_gemm_sm90.py``) gives the per-row base, or None when a row cannot fold: one host
+sync. Here the same base comes from one pass over the E8M0 codes on the device, with a
+device flag set when some row cannot fold; per call, a one-program kernel writes two copies of ``offs``: the folded
+Gluon kernel's (``offs``, or all zeros when a row does not fold: it then runs no tile) and the exact Triton kernel's
+(the reverse). Both kernels are launched every call; the one that must not run finds no rows. The fold is cached per
+weight-scale tensor (weights are constant), so a call costs one tiny launch after the first.
+
+Legend: E experts, N weight rows (output columns), NB = K / 32 scale blocks per row.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+import triton
+import triton.language as tl
+
+from .fp8_grouped_gemm_sm90 import FOLD_SPAN
+
+_FOLDS: dict[int, tuple] = {}  # id(w_scale) -> (weakref, signature, base, bad)
+
+
+@triton.jit
+def _fold_rows_kernel(ws_ptr, base_ptr, bad_ptr, ROWS, NB, BR: tl.constexpr, NB_P2: tl.constexpr,
+                      SPAN: tl.constexpr):
+    """Per weight row (E8M0 codes [ROWS, NB]): base = min(min_b c + 5, 254) (``fold_fp4_rows``); a row that cannot
+    fold (codes spanning more than SPAN, or a 255) sets *bad_ptr to 1."""
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    cols = tl.arange(0, NB_P2)
+    rm = rows < ROWS
+    m = rm[:, None] & (cols < NB)[None, :]
+    c = tl.load(ws_ptr + rows.to(tl.int64)[:, None] * NB + cols[None, :], mask=m, other=0).to(tl.int32)
+    lo = tl.min(tl.where(m, c, 255), 1)
+    hi = tl.max(tl.where(m, c, 0), 1)
+    tl.store(base_ptr + rows, tl.minimum(lo + 5, 254), mask=rm)
+    bad = tl.max(((hi - lo > SPAN) | (hi >= 255)).to(tl.int32) & rm.to(tl.int32), 0)
+    if bad != 0:
+        tl.atomic_max(bad_ptr, bad)
+
+
+@triton.jit
+def _gate_offs_kernel(offs_ptr, bad_ptr, fold_offs_ptr, exact_offs_ptr, E, E_P2: tl.constexpr):
+    """offs for the folded kernel (offs, or all zeros = no rows, when some row does not fold) and for the exact
+    kernel (the reverse): each kernel runs no tile unless it is the one that must."""
+    e = tl.arange(0, E_P2)
+    o = tl.load(offs_ptr + e, mask=e < E, other=0)
+    bad = tl.load(bad_ptr)
+    tl.store(fold_offs_ptr + e, tl.where(bad != 0, 0, o), mask=e < E)
+    tl.store(exact_offs_ptr + e, tl.where(bad != 0, o, 0), mask=e < E)
+
+
+def fold_rows(w_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(base [E, N] int32, bad [1] int32: 1 when some row cannot fold), on the device: one pass over the codes."""
+    e, n, nb = w_scale.shape
+    codes = w_scale.contiguous().view(torch.uint8)
+    base = torch.empty(e, n, dtype=torch.int32, device=w_scale.device)
+    bad = torch.zeros(1, dtype=torch.int32, device=w_scale.device)
+    br = 32
+    _fold_rows_kernel[(triton.cdiv(e * n, br),)](codes, base, bad, e * n, nb, BR=br,
+                                                 NB_P2=triton.next_power_of_2(nb), SPAN=FOLD_SPAN, num_warps=4)
+    return base, bad
+
+
+def cached_fold_rows(w_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``fold_rows`` once per weight-scale tensor: kept while the tensor lives, recomputed when its version counter,
+    storage or shape changes (an in-place copy bumps the version). Tensors without a version counter (made under
+    ``torch.inference_mode``) are folded every call. A stale entry cannot give a silently wrong result: any base
+    whose offsets stay in [-5, 6] is exact, and the kernel decodes an out-of-range block to NaN."""
+    try:
+        version = w_scale._version
+    except RuntimeError:  # an inference tensor: no version counter to trust
+        return fold_rows(w_scale)
+    key = id(w_scale)
+    sig = (version, w_scale.data_ptr(), tuple(w_scale.shape), tuple(w_scale.stride()), w_scale.device)
+    hit = _FOLDS.get(key)
+    if hit is not None and hit[0]() is w_scale and hit[1] == sig:
+        return hit[2], hit[3]
+    base, bad = fold_rows(w_scale)
+    _FOLDS[key] = (weakref.ref(w_scale, lambda _, k=key: _FOLDS.pop(k, None)), sig, base, bad)
+    return base, bad
+
+
+def fold_gate(w_scale: torch.Tensor, offs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Device-side ``fold_fp4_rows`` with no host sync: (base [E, N] int32, offs for the folded kernel, offs for the
+    exact kernel). When every row folds, the first offs is ``offs`` and the second all zeros (the exact kernel then
+    runs no tile); otherwise the reverse, and the base is unused. The fold is cached per weight-scale tensor
+    (``cached_fold_rows``); each call then costs one tiny launch."""
+    base, bad = cached_fold_rows(w_scale)
+    e = w_scale.shape[0]
+    fold_offs, exact_offs = torch.empty_like(offs), torch.empty_like(offs)
+    _gate_offs_kernel[(1,)](offs, bad, fold_offs, exact_offs, e, E_P2=triton.next_power_of_2(e), num_warps=1)
+    return base, fold_offs, exact_offs
+
+
