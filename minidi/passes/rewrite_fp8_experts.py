@@ -94,10 +94,11 @@ class FP8Experts(Rewrite):
         if fq is None or not _fq8_block(fq[1]):
             return None
         users = _gemm_users(xs, offs)
-        if users is None or node is not max(users, key=_position(node)):
+        if users is None:
+            return None
+        users.sort(key=_position(node))
+        if node is not users[-1]:
             return None  # one match per gather, anchored at its last GEMM
-        order = _position(node)
-        users.sort(key=order)
         x, block, chain = fq
         return Match(anchor=node, nodes={xs, *users} | chain, target=fp8_experts_up,
                      args=(x, idx, offs, block, [u.args[1] for u in users], [u.args[2] for u in users],
