@@ -53,11 +53,6 @@ def agreement(test: torch.Tensor, ref: torch.Tensor, columns: int) -> float | No
     return float((r & t).sum()) / n if n else None
 
 
-def mask_agreement(test: torch.Tensor, ref: torch.Tensor) -> float | None:
-    n = int(ref.sum())
-    return float((test & ref).sum()) / n if n else None
-
-
 # ---- state ---------------------------------------------------------------------------------------------------------
 def snapshot(lc: LayerCache) -> dict[str, torch.Tensor]:
     return {f: getattr(lc, f).clone() for f in CACHE_FIELDS if getattr(lc, f) is not None}
@@ -232,5 +227,6 @@ def _compare(x_t, pre_t, shared_t, cache_t, x_r, pre_r, shared_r, cache_r, rows,
         out[f"{tag}_topk_agree"] = agreement(shared_t.topk, shared_r.topk, max(cols, 1))
     if shared_r.candidates is not None and shared_t.candidates is not None \
             and shared_r.candidates is not shared_t.candidates:
-        out[f"{tag}_candidates_agree"] = mask_agreement(shared_t.candidates, shared_r.candidates)
+        blocks = max(int(shared_r.candidates.max()), int(shared_t.candidates.max())) + 1  # block ids, -1 empty
+        out[f"{tag}_candidates_agree"] = agreement(shared_t.candidates, shared_r.candidates, max(blocks, 1))
     return out

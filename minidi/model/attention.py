@@ -13,7 +13,7 @@ from torch import nn
 from .compressor import CompressorV4, CompressorV41
 from .config import ModelConfig
 from .context import LayerCache, RatioMeta, SharedSlots, StepMeta
-from .indexer import IndexerV4, IndexerV41, candidate_mask, indexer_topk_naive
+from .indexer import IndexerV4, IndexerV41, candidate_allowed, candidate_blocks, indexer_topk_naive
 from .layers import FP8Linear, RMSNorm, RopeTable, apply_rope, rms_norm, rope_cos_sin_lookup, weight_param
 from .quant import fq4_e4m3, fq8
 from . import stages
@@ -125,11 +125,13 @@ class Attention(nn.Module):
             rm = meta.ratios[shared.ratio]
             stages.enter("indexer", q_lat)
             qi, wi = self.indexer.queries(x, q_lat, cos, sin)
-            allowed = shared.candidates if self.candidate_filtered else None
+            allowed = None
+            if self.candidate_filtered:
+                allowed = candidate_allowed(shared.candidates, shared.index_k.shape[0], cfg.candidate_block_size)
             idx, scores = indexer_topk_naive(qi, shared.index_k, wi, rm.k_start, rm.k_end, cfg.index_topk, allowed,
                                              self.eager_budget)
             if self.candidate_source:
-                shared.candidates = candidate_mask(scores, rm.k_start, rm.k_end, cfg.candidate_topk_blocks,
+                shared.candidates = candidate_blocks(scores, rm.k_start, rm.k_end, cfg.candidate_topk_blocks,
                                                    cfg.candidate_block_size)
             stages.exit("indexer", idx)
             shared.topk = idx

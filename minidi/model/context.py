@@ -119,4 +119,4 @@ class SharedSlots:
     ratio: int = 0  # compression ratio of comp_kv
     index_k: torch.Tensor | None = None  # [Nv, index_head_dim] indexer keys (view rows)
     topk: torch.Tensor | None = None  # [T, k] rows of comp_kv, -1 = empty
-    candidates: torch.Tensor | None = None  # [T, Nv] bool, layer-`candidate_source` pre-filter mask
+    candidates: torch.Tensor | None = None  # [T, KB] int64: layer-`candidate_source`'s kept blocks, -1 = none

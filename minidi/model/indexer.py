@@ -84,23 +84,37 @@ def indexer_topk_naive(
     return torch.cat([_pick(s, kk) for s in scores.split(rows)]), scores
 
 
-def candidate_mask(
+def candidate_blocks(
     scores: torch.Tensor, k_start: torch.Tensor, k_end: torch.Tensor, keep_blocks: int, block: int
 ) -> torch.Tensor:
-    """V4.1 pre-filter (candidate source layer): keep the ``keep_blocks`` blocks of ``block`` entries with the
-    highest max score (ties to the lower block), always keeping the newest (partly filled) visible block; picks
-    scored -inf are dropped.
-    Blocks count from each sequence's first entry (its view segment starts at a multiple of ``block``).
-    scores [T, N] -> mask [T, N] bool."""
+    """V4.1 pre-filter (candidate source layer): the ``keep_blocks`` blocks of ``block`` entries with the highest
+    max score (ties to the lower block), always keeping the newest (partly filled) visible block; blocks whose max is
+    -inf are dropped. Blocks count from each sequence's first entry (its view segment starts at a multiple of
+    ``block``). scores [T, N] -> block ids [T, min(keep_blocks, cdiv(N, block))] int64: each row's kept blocks in
+    ascending order, then -1 (the indexer's pick convention, ``_pick``)."""
     t, n = scores.shape
     pad = -n % block
     bs = F.pad(scores.float(), (0, pad), value=float("-inf")).view(t, (n + pad) // block, block).amax(-1)  # [T, NB]
     newest = ((k_end - 1).clamp(min=0) // block).unsqueeze(1)  # [T, 1]
     force = torch.zeros_like(bs, dtype=torch.bool).scatter(1, newest, (k_end > k_start).unsqueeze(1))
-    bs = bs.masked_fill(force, float("inf"))
-    blocks = topk_set(bs, min(keep_blocks, bs.shape[1]))  # [T, kb]: block-max ties go to the lower block
-    keep = torch.zeros_like(bs, dtype=torch.bool).scatter(1, blocks, bs.gather(1, blocks) > float("-inf"))
-    return keep[:, torch.arange(n, device=keep.device) // block]  # [T, N], contiguous (stride independent of pad)
+    return _pick(bs.masked_fill(force, float("inf")), min(keep_blocks, bs.shape[1]))
+
+
+def candidate_allowed(blocks: torch.Tensor, n: int, block: int) -> torch.Tensor:
+    """The entries of the candidate blocks as a mask: blocks [T, KB] int64 (ids, -1 = none) -> [T, n] bool, entry j
+    allowed when block j // ``block`` is one of its row's ids. (Pass M reads the ids instead: candidate-only
+    scoring.)"""
+    nb = -(-n // block)
+    ids = blocks.masked_fill(blocks < 0, nb)  # -1 -> a spare column past every block
+    keep = torch.zeros(blocks.shape[0], nb + 1, dtype=torch.bool, device=blocks.device).scatter(1, ids, True)
+    return keep[:, torch.arange(n, device=blocks.device) // block]  # [T, n]
+
+
+def candidate_mask(
+    scores: torch.Tensor, k_start: torch.Tensor, k_end: torch.Tensor, keep_blocks: int, block: int
+) -> torch.Tensor:
+    """``candidate_blocks`` as a [T, N] bool mask (``candidate_allowed``)."""
+    return candidate_allowed(candidate_blocks(scores, k_start, k_end, keep_blocks, block), scores.shape[1], block)
 
 
 class IndexerV41(nn.Module):

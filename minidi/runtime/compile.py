@@ -65,7 +65,8 @@ def expected_sites(cfg: ModelConfig, regional: bool = False) -> dict[str, list[i
     (each mixer's Sinkhorn; V4's head has none);
     G: every layer twice (the stream update after attention and after the MoE); H and I: every layer (the MoE's
     expert activation and its dispatch gather; in fp32 models only after D); L: every layer twice with fake quant (the
-up and down expert GEMMs on FP8), none without. Only the selected passes are checked."""
+up and down expert GEMMs on FP8), none without; M: every V4.1 re-index layer (its indexer scores only the candidate
+    source's blocks). Only the selected passes are checked."""
     layers = list(range(cfg.n_layers))
     head: list[int | None] = [] if (cfg.is_v41 or regional) else [None]
     return {
@@ -81,6 +82,7 @@ up and down expert GEMMs on FP8), none without. Only the selected passes are che
         "H": layers,
         "I": layers,
         "L": [i for i in layers for _ in range(FP8_EXPERT_SITES)] if fp8_experts_apply(cfg) else [],
+        "M": [i for i in layers if cfg.is_candidate_filtered(i)],
     }
 
 

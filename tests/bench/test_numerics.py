@@ -23,8 +23,6 @@ def test_metrics():
     test_idx = torch.tensor([[3, 1, -1], [2, 0, -1], [0, 1, 2]])
     assert fidelity.agreement(test_idx, ref_idx, columns=4) == pytest.approx(2 / 3)  # picks 3 and 2 of 0, 3, 2
     assert fidelity.agreement(test_idx, torch.full((3, 3), -1), columns=4) is None
-    m = torch.tensor([[True, False, True]])
-    assert fidelity.mask_agreement(torch.tensor([[True, True, False]]), m) == 0.5
 
 
 def test_fp32_twin_shares_the_quantised_tensors():

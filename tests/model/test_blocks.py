@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from minidi.model.indexer import candidate_mask, indexer_topk_naive
+from minidi.model.indexer import candidate_allowed, candidate_blocks, candidate_mask, indexer_topk_naive
 from minidi.model.moe import RoutedExperts, grouped_mm, moe_combine_naive
 from minidi.model.presets import preset
 from minidi.model.sparse_attention import sparse_attention_naive
@@ -158,6 +158,23 @@ def test_candidate_mask_keeps_best_blocks_and_newest():
     m = candidate_mask(s, torch.zeros(2, dtype=torch.long), torch.tensor([9, 3]), keep_blocks=2, block=4)
     assert m[0].tolist() == [True] * 4 + [False] * 4 + [True] * 4  # block 0 (max 9) + forced newest block 2
     assert m[1].tolist() == [True] * 4 + [False] * 8  # -inf blocks are dropped even though 2 may be kept
+
+
+def test_candidate_blocks_are_ascending_ids_then_minus_one():
+    """The candidate source publishes block ids (pass M reads them): each row's kept blocks ascending, -1 for the
+    dropped ones at the end; their mask is the [T, N] filter a re-index layer applies."""
+    s = torch.full((2, 12), float("-inf"))
+    s[0, :9] = torch.tensor([9.0, 0, 0, 0, 1, 1, 1, 1, 0.5])
+    s[1, :3] = torch.tensor([1.0, 2, 3])
+    b = candidate_blocks(s, torch.zeros(2, dtype=torch.long), torch.tensor([9, 3]), keep_blocks=2, block=4)
+    assert b.tolist() == [[0, 2], [0, -1]] and b.dtype == torch.int64
+    assert candidate_allowed(b, 12, 4).tolist() == candidate_mask(s, torch.zeros(2, dtype=torch.long),
+                                                                  torch.tensor([9, 3]), 2, 4).tolist()
+    assert candidate_allowed(b, 10, 4).shape == (2, 10)  # N not a multiple of the block: the last block is partial
+    g = torch.Generator().manual_seed(7)
+    s = torch.randn(5, 37, generator=g)
+    b = candidate_blocks(s, torch.zeros(5, dtype=torch.long), torch.full((5,), 37), keep_blocks=4, block=4)
+    assert torch.equal(b, b.sort(dim=1).values) and b.shape == (5, 4) and (b >= 0).all()
 
 
 def test_moe_combine_never_leaks_nonlocal_rows():

@@ -86,7 +86,8 @@ def test_history_holds_one_entry_per_compiled_graph(regional):
 def test_counts_sum_over_layers(regional):
     want = {k: len(v) for k, v in expected_sites(regional.cfg).items()}
     assert regional.step.counts == want == {"A": 10, "B": 4, "C": 10, "D": 30, "E": 10, "F": 20, "J": 20,
-                                                    "K": 20, "G": 20, "H": 10, "I": 10, "L": 0}
+                                                    "K": 20, "G": 20, "H": 10, "I": 10, "L": 0,
+                                                    "M": 1}
     for i, counts in regional.manager.layer_counts.items():  # each graph: the sites of its own layer
         assert counts == {k: v.count(i) for k, v in expected_sites(regional.cfg).items()}, i
 
