@@ -4,15 +4,23 @@ import pytest
 import torch
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ["TRITON_INTERPRET"] == "1":
+    from tests.triton_interpreter import skip_repatching_inside_launches
+
+    skip_repatching_inside_launches()
 
 
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA device")
+    """``gpu`` tests need a CUDA device; ``slow`` tests (each minutes on 2 CPU cores, and covered in the default suite
+    by a cheaper test that their docstring names) run only with ``MINIDI_SLOW_TESTS=1``."""
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
+    skip_slow = pytest.mark.skip(reason="slow: MINIDI_SLOW_TESTS=1 runs it")
+    cuda, slow = torch.cuda.is_available(), os.environ.get("MINIDI_SLOW_TESTS", "") not in ("", "0")
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        if "gpu" in item.keywords and not cuda:
+            item.add_marker(skip_gpu)
+        if "slow" in item.keywords and not slow:
+            item.add_marker(skip_slow)
 
 
 @pytest.fixture

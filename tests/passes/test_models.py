@@ -102,6 +102,13 @@ def test_naive_ops_gone(compiled):
     assert not any(rope_chain(n.args[0]) for n in attn)
 
 
+def test_indexer_calls_are_not_fp8_without_fake_quant(compiled):
+    """Fake quant off: q and k are not fq4 outputs, so no indexer call (B's or M's) takes the FP8 path."""
+    _, after = compiled.manager.graphs[-1]
+    mma = indexer_mma(after.graph)
+    assert len(mma) == len(expected_sites(compiled.cfg)["B"]) and "fp8" not in mma, mma
+
+
 def test_inserted_ops_carry_fake_values(compiled):
     """Every op a pass inserted records its output's fake value, so later passes (H reads D's GEMM dtype) see it."""
     _, after = compiled.manager.graphs[-1]
@@ -166,11 +173,19 @@ class _Traced(Exception):
 
 
 ROPE_MODES: list[int] = []  # rope_mode of every sparse_attention the last trace_counts graph calls
+INDEXER_MMA: list[str | None] = []  # mma of every indexer call (B's and M's ops) in that graph
+INDEXER_OPS = ("indexer_topk", "indexer_topk_candidates")
+
+
+def indexer_mma(graph: torch.fx.Graph) -> list[str | None]:
+    return [n.kwargs.get("mma") for n in graph.nodes
+            if n.op == "call_function" and getattr(n.target, "__name__", "") in INDEXER_OPS]
 
 
 def _trace_only(gm, example_inputs):
     ROPE_MODES[:] = [n.kwargs.get("rope_mode", 0) for n in gm.graph.nodes
                      if n.op == "call_function" and getattr(n.target, "__name__", "") == "sparse_attention"]
+    INDEXER_MMA[:] = indexer_mma(gm.graph)
 
     def run(*args):
         raise _Traced
@@ -199,10 +214,15 @@ def test_second_tiny_config_counts_traced():
 
 
 def test_production_settings_counts_traced():
-    """bf16 with fake-quant on (the served settings): D then matches the ``torch._grouped_mm`` form of the GEMMs."""
+    """bf16 with fake-quant on (the served settings): D then matches the ``torch._grouped_mm`` form of the GEMMs, and
+    every indexer site's q and k are fq4 outputs, so every indexer call (B's, and M's at the re-index layer) scores on
+    FP8 tensor cores (``mma="fp8"``; with fake quant off none does, see
+    ``test_indexer_calls_are_not_fp8_without_fake_quant``; tiny V4: ``test_indexer_fp8_pass.py``)."""
     model = minidi.load_model("tiny-v41")
     assert model.cfg.torch_dtype == torch.bfloat16 and model.cfg.fake_quant
-    assert trace_counts(model, 24) == {k: len(v) for k, v in expected_sites(model.cfg).items()}
+    want = {k: len(v) for k, v in expected_sites(model.cfg).items()}
+    assert trace_counts(model, 24) == want
+    assert INDEXER_MMA == ["fp8"] * want["B"] and want["M"] > 0
 
 
 def fake_model(name: str) -> torch.nn.Module:
