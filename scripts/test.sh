@@ -2,10 +2,10 @@
 # Set up (if needed) and run the test suite on CPU; Triton kernels run through the interpreter.
 # Arguments go to pytest (e.g. `bash scripts/test.sh tests/model/test_golden.py`). Two worker processes
 # (pytest-xdist, MINIDI_TEST_WORKERS to change; each test file stays in one worker, so a file's compiled fixtures are
-# built once); progress as lines of dots with the running count ([ 120/1200]). The whole suite: 15-19 minutes on 2
-# cores (clean-clone CI at 09a5a8f, the machine otherwise idle: 1,051 passed, 149 skipped in 886.1 s; 1,113.1 s at
-# 222e8fa with other work beside it; one process took 19-25 minutes for 972 tests); the 25 slowest tests are listed
-# at the end.
+# built once); progress as lines of dots with the running count ([ 120/1200]). The default suite: about 28 minutes on
+# 2 cores (clean-clone CI at ae5da07, the machine otherwise idle: 1,154 passed, 153 skipped in 1,660 s; CI took
+# 2,596 s at 264637b, before the slow marker); MINIDI_SLOW_TESTS=1 also runs the slow-marked tests
+# (tests/conftest.py); the 25 slowest tests are listed at the end.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh

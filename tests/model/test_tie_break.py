@@ -241,7 +241,9 @@ def test_bf16_prefix_equals_none(name):
 @pytest.mark.slow
 def test_compiled_fp32_batched_equals_alone_and_prefix_equals_none():
     """The helper through torch.compile (dynamic shapes, fullgraph, aot_eager: Inductor's codegen took ~8 min here
-    for the same check; measured then: batched vs alone 9.7e-6, prefix vs none 0): the same invariances."""
+    for the same check; measured then: batched vs alone 9.7e-6, prefix vs none 0): the same invariances. Slow (172 s
+    in the suite): the default suite checks them eager (above) and the compiled step against eager on batches of six
+    shapes (tests/runtime/test_compile.py) and on the tiny models (tests/passes/test_models.py)."""
     model = minidi.load_model("tiny-v41", dtype="float32", fake_quant=False)
     d_batch, d_prefix = batched_and_prefix_diffs(model, (37, 2, 11), prefixes=(70,), compile=True,
                                                  compile_kwargs={"backend": "aot_eager"})
