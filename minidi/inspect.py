@@ -86,7 +86,7 @@ def inspect_model(model_name: str, out: str | Path, passes: str = "all", backend
     model = minidi.load_model(model_name, dtype="float32", fake_quant=False)
     cfg = model.cfg
     ids = torch.arange(tokens) % cfg.vocab_size
-    meta = StepMeta.for_sequence(ids, cfg.window_size, model.ratios, cfg.engram_max_ngram if cfg.engram_layers else 0)
+    meta = StepMeta.for_sequence(ids, cfg.window_size, model.ratios, cfg.step_ngram)
     torch._dynamo.reset()
     step = minidi_compile(model, passes, backend=backend, op_backend=op_backend, keep_graphs=True)
     ctx, depyf_dir, depyf_note = _depyf(out, use_depyf)

@@ -104,6 +104,12 @@ class ModelConfig:
         return self.arch == "v41"
 
     @property
+    def step_ngram(self) -> int:
+        """The n-gram depth a step's metadata hashes (``StepMeta``'s ``ngram``): engram_max_ngram with Engram layers,
+        0 without (the field keeps its default then)."""
+        return self.engram_max_ngram if self.engram_layers else 0
+
+    @property
     def nope_head_dim(self) -> int:
         return self.head_dim - self.rope_head_dim
 

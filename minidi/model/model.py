@@ -266,8 +266,7 @@ class Transformer(nn.Module):
         if input_ids.numel() > cfg.max_position_embeddings:
             raise ValueError(f"sequence of {input_ids.numel()} tokens exceeds max_position_embeddings "
                              f"{cfg.max_position_embeddings}")
-        meta = StepMeta.for_sequence(input_ids, cfg.window_size, self.ratios,
-                                     cfg.engram_max_ngram if cfg.engram_layers else 0)
+        meta = StepMeta.for_sequence(input_ids, cfg.window_size, self.ratios, cfg.step_ngram)
         return self.step(meta, ModelCache())
 
     def step(self, meta: StepMeta, cache: ModelCache) -> torch.Tensor:

@@ -98,7 +98,7 @@ def test_compiled_rope_only_loads_the_table():
         return gm.forward
 
     ids = torch.randint(0, cfg.vocab_size, (40,), generator=torch.Generator().manual_seed(0))
-    meta = StepMeta.for_sequence(ids, cfg.window_size, model.ratios, cfg.engram_max_ngram if cfg.engram_layers else 0)
+    meta = StepMeta.for_sequence(ids, cfg.window_size, model.ratios, cfg.step_ngram)
     torch._dynamo.reset()
     out = torch.compile(model.step, backend=record, fullgraph=True)(meta, ModelCache())
     torch._dynamo.reset()

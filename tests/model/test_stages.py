@@ -46,7 +46,7 @@ def small_v41(**overrides) -> torch.nn.Module:
 def meta_of(model, n: int = 24, seed: int = 0) -> StepMeta:
     cfg = model.cfg
     ids = torch.randint(0, cfg.vocab_size, (n,), generator=torch.Generator().manual_seed(seed))
-    return StepMeta.for_sequence(ids, cfg.window_size, model.ratios, cfg.engram_max_ngram if cfg.engram_layers else 0)
+    return StepMeta.for_sequence(ids, cfg.window_size, model.ratios, cfg.step_ngram)
 
 
 def profiled_ranges(fn) -> set[str]:

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.gpu
 def _meta(model, n: int, seed: int) -> StepMeta:
     cfg = model.cfg
     ids = torch.randint(0, cfg.vocab_size, (n,), generator=torch.Generator().manual_seed(seed)).to("cuda")
-    return StepMeta.for_sequence(ids, cfg.window_size, model.ratios, cfg.engram_max_ngram if cfg.engram_layers else 0)
+    return StepMeta.for_sequence(ids, cfg.window_size, model.ratios, cfg.step_ngram)
 
 
 @pytest.mark.parametrize("name", ["tiny-v41", "tiny-v4"])

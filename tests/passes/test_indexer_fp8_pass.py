@@ -37,7 +37,7 @@ def test_fq4_sites_score_on_fp8(name, fake_quant):
     cfg = model.cfg
     torch._dynamo.reset()
     ids = torch.arange(24) % cfg.vocab_size
-    meta = StepMeta.for_sequence(ids, cfg.window_size, model.ratios, cfg.engram_max_ngram if cfg.engram_layers else 0)
+    meta = StepMeta.for_sequence(ids, cfg.window_size, model.ratios, cfg.step_ngram)
     step = minidi.compile(model, "B", backend=_trace_only, strict=True,
                           expected={"B": expected_sites(cfg)["B"]})
     with dynamic_shape_config(), torch._dynamo.config.patch(specialize_float=True), pytest.raises(_Traced):

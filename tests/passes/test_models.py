@@ -197,7 +197,7 @@ def trace_counts(model: torch.nn.Module, n_tokens: int) -> dict[str, int]:
     cfg = model.cfg
     dev = next(model.parameters()).device
     ids = torch.arange(n_tokens, device=dev) % cfg.vocab_size
-    meta = StepMeta.for_sequence(ids, cfg.window_size, model.ratios, cfg.engram_max_ngram if cfg.engram_layers else 0)
+    meta = StepMeta.for_sequence(ids, cfg.window_size, model.ratios, cfg.step_ngram)
     step = minidi.compile(model, "all", backend=_trace_only, strict=True)
     # specialize_float: Dynamo cannot build ``torch.tensor`` of lifted symbolic floats (the e2m1 grid) on meta
     with dynamic_shape_config(), torch._dynamo.config.patch(specialize_float=True), pytest.raises(_Traced):

@@ -25,7 +25,7 @@ FIRST, SECOND = 24, 17  # tokens of the two steps (the second one ragged)
 def meta_of(model, n: int, seed: int) -> StepMeta:
     cfg = model.cfg
     ids = torch.randint(0, cfg.vocab_size, (n,), generator=torch.Generator().manual_seed(seed))
-    return StepMeta.for_sequence(ids, cfg.window_size, model.ratios, cfg.engram_max_ngram if cfg.engram_layers else 0)
+    return StepMeta.for_sequence(ids, cfg.window_size, model.ratios, cfg.step_ngram)
 
 
 def compile_regional(passes: str, name: str = "tiny-v41", **kw) -> SimpleNamespace:
@@ -149,8 +149,8 @@ def test_strict_checks_the_layer_compiled_for(regional):
 
 
 def test_no_passes_regional():
-    """No passes, on tiny V4 (3 layer kinds in 4 layers, and V4's head outside the layers): the regional tiny V4.1
-    with its Engram fronts is the fixture above (every pass) and the benchmark's stock-compile test (no passes)."""
+    """No passes, on tiny V4 (3 layer kinds in 4 layers, and V4's head outside the layers); the regional tiny V4.1
+    with its Engram fronts is the fixture above (every pass)."""
     with torch._dynamo.config.patch(specialize_float=True):  # no tensorify re-traces: half the trace time
         plain = compile_regional("none", name="tiny-v4")
     for out, ref in zip(plain.outs, plain.refs):

@@ -38,7 +38,7 @@ def test_compiled_step_one_graph_no_breaks_equal_to_eager():
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
 
 
-# tiny-v41's whole-step Inductor compile: ~7 min on 2 cores (CI at 264637b: 429 s), hence slow; in the default suite
+# tiny-v41's whole-step Inductor compile: 7-8 min on 2 cores (CI at 264637b: 499 s), hence slow; in the default suite
 # Inductor compiles tiny-v41 in tests/ops/test_backends.py (every pass, the ops' references) and this test runs tiny-v4
 @pytest.mark.parametrize("name", [pytest.param("tiny-v41", marks=pytest.mark.slow), "tiny-v4"])
 def test_compiled_engine_equals_eager_bitwise_on_cpu(name):

@@ -23,7 +23,7 @@ STACKS = ("w1", "w1_scale", "w2", "w2_scale", "w3", "w3_scale")
 def _meta(cfg, n: int = 24, seed: int = 0) -> StepMeta:
     ids = torch.randint(0, cfg.vocab_size, (n,), generator=torch.Generator().manual_seed(seed))
     return StepMeta.for_sequence(ids, cfg.window_size, tuple(sorted(set(cfg.compress_ratios) - {0})),
-                                 cfg.engram_max_ngram if cfg.engram_layers else 0)
+                                 cfg.step_ngram)
 
 
 @pytest.fixture(scope="module")
