@@ -85,6 +85,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="on: compiled modes round where eager does (Inductor emulate_precision_casts; CPU graphs also "
                          "run ATen's reduction / transcendental kernels: bitwise eager); exact: those kernels on GPU "
                          "graphs too; off: Inductor's stock rounding")
+    ap.add_argument("--autotune", action="store_true",
+                    help="compiled modes: Inductor benchmarks its kernels' candidate configs at each graph's first "
+                         "run (default: one config each, reductions' by rule; minidi.compile's autotune)")
+    ap.add_argument("--cpu_simd", action="store_true",
+                    help="compiled modes on the CPU: vectorised C++ (default: scalar C++, same results, a faster "
+                         "compile; minidi.compile's cpu_simd)")
     ap.add_argument("--emulate-ep", "--emulate_ep", dest="emulate_ep", type=int, default=1,
                     help="reproduce one rank of expert parallelism N on this device")
     ap.add_argument("--share_experts", "--share-experts", choices=("auto", "on", "off"), default="auto",

@@ -9,6 +9,10 @@ A row is one name of the profiler's leaf work, its calls summed over the profile
   (its duration less that of the ops it calls), so a composite op (``aten::linear``) keeps only its own overhead and
   the op doing the work (``aten::mm``) the rest. The self times of a step add up to at most the step.
 
+Each row also splits its time by the report category each call is charged to (``stages_ms``: the innermost stage
+range, a marker's or one of minidi's op calls', holding its launch, as ``prefill_stages.py`` charges it), so a
+stage's total can be read kernel by kernel.
+
 Work per call, where it is known (else the row's field stays empty; a row's work is known only if every call's is):
 the FLOPs and bytes of ``bench/op_work.py`` (the profiler's FLOPs for matmuls, Inductor's own counts, the bytes of
 copy-like and elementwise ops from the recorded shapes). A CPU call counts its own part (``call_work``: a composite
@@ -47,7 +51,7 @@ else:  # run as a script: the script's folder is sys.path[0]
     import prefill_stages
     from op_work import call_work, trivial
 
-OP_CAT = "cpu_op"
+OP_CAT = prefill_stages.OP_CAT  # the profiler category of an operator call
 
 
 # ---- calls -------------------------------------------------------------------------------------------------------
@@ -95,6 +99,7 @@ class _Call:
     flops: float | None
     nbytes: float | None
     device_copy: bool = True  # False: a host <-> device memcpy (no % of the device's copy peak)
+    stage: str = prefill_stages.OTHER  # the report category it is charged to (``prefill_stages``)
 
 
 def _span(e: dict) -> tuple[float, float]:
@@ -110,11 +115,12 @@ def _cpu_calls(events: list[dict], steps: list[dict]) -> tuple[list[_Call], floa
     for s in steps:
         by_thread.setdefault((s.get("pid"), s.get("tid")), []).append(_span(s))
     calls = []
+    stage_ranges = prefill_stages.stage_ranges_by_thread(events)
     for thread, ops in _ops_by_thread(events).items():
         ranges = by_thread.get(thread, [])
-        for o in ops:
-            if _within(ranges, o.start):
-                calls.append(_Call(o.event["name"], max(0.0, o.end - o.start - o.children_us), *_work(o)))
+        mine = [o for o in ops if _within(ranges, o.start)]
+        for o, stage in zip(mine, prefill_stages.categories_at(stage_ranges, thread, [o.start for o in mine])):
+            calls.append(_Call(o.event["name"], max(0.0, o.end - o.start - o.children_us), *_work(o), stage=stage))
     return calls, statistics.mean(float(s["dur"]) for s in steps) / 1e3
 
 
@@ -132,19 +138,24 @@ def _device_calls(events: list[dict], steps: list[dict]) -> tuple[list[_Call], f
             if launch is not None and _within(windows, launch[1]):
                 device.append((e, launch))
     ops = _ops_by_thread(events)
+    stage_ranges = prefill_stages.stage_ranges_by_thread(events)
     owner: dict[int, _Op | None] = {}
+    stage: dict[int, str] = {}
     for thread in {launch[0] for _, launch in device}:
         mine = sorted((launch[1], i) for i, (_, launch) in enumerate(device) if launch[0] == thread)
-        for (_, i), op in zip(mine, prefill_stages.innermost(ops.get(thread, []), [t for t, _ in mine])):
+        times = [t for t, _ in mine]
+        for (_, i), op in zip(mine, prefill_stages.innermost(ops.get(thread, []), times)):
             owner[i] = op
             if op is not None:
                 op.launches += 1
+        for (_, i), category in zip(mine, prefill_stages.categories_at(stage_ranges, thread, times)):
+            stage[i] = category
     calls = []
     for i, (e, _) in enumerate(device):
         op = owner.get(i)
         work = _work(op) if op is not None and op.launches == 1 else (None, None)
         copy = not (e.get("cat") == "gpu_memcpy" and "DtoD" not in e.get("name", ""))
-        calls.append(_Call(e.get("name", "?"), float(e["dur"]), *work, device_copy=copy))
+        calls.append(_Call(e.get("name", "?"), float(e["dur"]), *work, device_copy=copy, stage=stage[i]))
     spans = []  # the device time from the first to the last event of each step
     for lo, hi in windows:
         mine = [e for e, launch in device if lo <= launch[1] <= hi]
@@ -260,6 +271,10 @@ def _row(name: str, full: str, calls: list[_Call], steps: int, step_ms: float, p
                  "pct_step": round(100 * ms / step_ms, 2) if step_ms > 0 else None}
     if row["pct_step"] is None:
         del row["pct_step"]
+    by_stage: dict[str, float] = {}
+    for c in calls:
+        by_stage[c.stage] = by_stage.get(c.stage, 0.0) + c.us
+    row["stages_ms"] = {k: round(v / 1e3 / steps, 4) for k, v in sorted(by_stage.items(), key=lambda kv: -kv[1])}
     pct = []
     if all(c.flops is not None for c in calls):
         row["flops_per_step"] = round(sum(c.flops for c in calls) / steps)

@@ -48,7 +48,8 @@ def make_step(model, mode: str, args):
     passes = args.passes if mode == "passes" else "none"
     return minidi.compile(model, passes, strict=mode == "passes", backend=args.backend, fullgraph=True,
                           dynamic=True, regional=args.compile_scope == "layer",
-                          faithful_rounding=ROUNDING[args.faithful_rounding], compile_cache=args.compile_cache)
+                          faithful_rounding=ROUNDING[args.faithful_rounding], autotune=args.autotune,
+                          cpu_simd=args.cpu_simd, compile_cache=args.compile_cache)
 
 
 def pass_matches(step) -> dict | None:
@@ -183,6 +184,7 @@ def _what_ran(mode: str, cfg, sizes: dict, args, card: dict) -> dict:
         "model": cfg.name, "arch": cfg.arch, "mode": mode, "passes": args.passes if mode == "passes" else "none",
         "ep": cfg.ep_size, **sizes,
         "steps": args.steps, "faithful_rounding": None if mode == "eager" else ROUNDING[args.faithful_rounding],
+        "autotune": None if mode == "eager" else args.autotune, "cpu_simd": None if mode == "eager" else args.cpu_simd,
         **{k: card[k] for k in ("device", "dtype", "torch", "peaks", "shared_experts", "engram_table_rows", "gate_bias",
                                   "ptxas", "fp4_tiles")},
     }

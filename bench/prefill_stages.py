@@ -11,6 +11,12 @@ The model marks its stages with profiler ranges ``minidi/<stage>`` (``minidi.mod
 CUDA runs: a range lives on the CPU thread that launched the work, while the kernels run later on the device, so
 each kernel / memcpy / memset is tied to its launch (``cudaLaunchKernel``, ``cuLaunchKernel``, ... same
 ``args.correlation``) and charged to the innermost stage range *of the launching thread* that contains the launch.
+
+The call of one of minidi's ops (its ``cpu_op`` event, e.g. ``minidi::sparse_attention``) is a range of its own
+stage (``OP_STAGE``): a marker orders only the kernels that touch its tensor, so Inductor may launch an independent
+kernel of a neighbouring stage between two markers (measured on the H200, V4.1 EP4: the MoE's routing top-k and
+shared-expert GEMMs inside the expert-parallel exchange's range, 27 of its 31.5 ms; the indexer's score and top-k
+kernels inside the sparse attention's), but a kernel launched by an op's own code belongs to that op.
 Device time is summed (overlapping streams count twice; ``gpu_busy_ms_per_step`` gives the same sum unattributed,
 to set against wall time). CPU runs have no device events: each stage gets the exclusive wall time of its ranges
 and hc_norm_other is what is left of the step ranges (``minidi/step``, opened by the benchmark around each step;
@@ -46,6 +52,20 @@ STEP_RANGE = PREFIX + "step"
 DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 LAUNCH_CATS = ("cuda_runtime", "cuda_driver")
 RANGE_CAT = "user_annotation"
+
+# minidi's ops -> the stage whose work they are, wherever the compiler placed their call (ops used by two stages, such
+# as gate_tf32x3 for the MoE gate and the mHC mixers, are left to the markers)
+OP_STAGE = {
+    "minidi::sparse_attention": "attn.core",
+    **{f"minidi::{op}": "indexer" for op in ("indexer_score", "indexer_score_fp8", "indexer_topk_candidates",
+                                             "topk_indices", "rebase_e4m3")},
+    **{f"minidi::{op}": "moe" for op in ("moe_combine", "moe_activation", "moe_activation_fp8", "gather_rows",
+                                         "fp4_grouped_mm", "fp4_grouped_mm_ref", "fp8_fp4_grouped_mm",
+                                         "fp8_fp4_grouped_mm_ref", "fq8_split", "fq8_split_ref")},
+    "minidi::rotated_blocks": "moe.comm",
+    **{f"minidi::{op}": None for op in ("hc_mix_partials", "hc_sinkhorn", "hc_expand")},  # None: "other"
+}
+OP_CAT = "cpu_op"
 
 if set(STAGE_CATEGORY) != set(STAGES):  # a stage added to the model must get a category here
     raise ImportError(f"prefill_stages maps stages {sorted(STAGE_CATEGORY)}, minidi.model.stages has {sorted(STAGES)}")
@@ -85,15 +105,21 @@ def _check_steps(steps: int) -> None:
 
 
 def _stage_ranges(events: list[dict]) -> list[_Range]:
-    """Stage ranges sorted by (thread, start, longest first), so that a range comes after every range holding it."""
-    ranges = []
+    """Stage ranges (the markers' and minidi's op calls', ``OP_STAGE``) sorted by (thread, start, longest first), so
+    that a range comes after every range holding it."""
+    ranges, markers = [], 0
     for e in events:
-        name = e.get("name", "")
-        if e.get("cat") == RANGE_CAT and name.startswith(PREFIX) and name[len(PREFIX):] in STAGE_CATEGORY:
-            start = float(e["ts"])
-            ranges.append(_Range((e.get("pid"), e.get("tid")), start, start + float(e["dur"]),
-                                 STAGE_CATEGORY[name[len(PREFIX):]]))
-    if not ranges:
+        name, cat = e.get("name", ""), e.get("cat")
+        if cat == RANGE_CAT and name.startswith(PREFIX) and name[len(PREFIX):] in STAGE_CATEGORY:
+            category = STAGE_CATEGORY[name[len(PREFIX):]]
+            markers += 1
+        elif cat == OP_CAT and name in OP_STAGE:
+            category = STAGE_CATEGORY[OP_STAGE[name]] if OP_STAGE[name] else OTHER
+        else:
+            continue
+        start = float(e["ts"])
+        ranges.append(_Range((e.get("pid"), e.get("tid")), start, start + float(e["dur"]), category))
+    if not markers:
         raise NoStageRangesError(
             f"the trace has no {PREFIX}<stage> ranges ({', '.join(PREFIX + s for s in STAGES)}): turn the stage "
             "markers on with `minidi.model.stages.enabled(True)` before compiling (or tracing) the model")
@@ -119,6 +145,21 @@ def innermost(spans: list, times: list[float]) -> list:
         active = [r for r in active if r.end >= t]  # still in start order: the last one is the innermost
         out.append(active[-1] if active else None)
     return out
+
+
+def stage_ranges_by_thread(events: list[dict]) -> dict[tuple, list]:
+    """The stage ranges (markers' and op calls') per thread, each thread's in (start, longest first) order; {} when the
+    trace has no marker range."""
+    try:
+        return _by_thread(_stage_ranges(events))
+    except NoStageRangesError:
+        return {}
+
+
+def categories_at(ranges_by_thread: dict[tuple, list], thread: tuple, times: list[float]) -> list[str]:
+    """The category of the innermost stage range of ``thread`` holding each time (sorted ascending); "other" where
+    none holds it."""
+    return [r.category if r else OTHER for r in innermost(ranges_by_thread.get(thread, []), times)]
 
 
 def _device_stage_us(events: list[dict], ranges: list[_Range]) -> dict[str, float]:

@@ -12,8 +12,11 @@ Off by default (the model then has no markers at all); ``enabled(True)`` before 
     attn.core     the sparse attention core (key assembly + attention with sink: pass A)
     indexer       indexer queries, keys and top-k (pass B)
     moe           gate, experts, combine, shared expert (passes C, D, E)
-    moe.comm      expert-parallel token exchange (dispatch / combine)
-Everything outside a range (embedding, mHC, norms, Engram, head) is "other".
+    moe.comm      expert-parallel token exchange (``DistributedEP``'s collectives; the emulated exchange has no
+                  markers: its op's calls are the stage, ``bench/prefill_stages.py`` ``OP_STAGE``)
+Everything outside a range (embedding, mHC, norms, Engram, head) is "other". A marker orders only the kernels that
+write or read its tensor: a profile also charges minidi's op calls to their own stage (``OP_STAGE``), wherever the
+compiler launched them.
 """
 
 from __future__ import annotations

@@ -42,8 +42,8 @@ from minidi.model.config import ModelConfig
 from minidi.passes import PassManager
 
 from .compile_cache import CompileCache, cacheable_minidi_calls, clear_recorded_artifacts, device_of, key_fields
-from .compile_settings import (Progress, cache_note, call_settings, dynamic_shape_config, inductor_cache_counts,
-                               rounding_config)
+from .compile_settings import (Progress, cache_note, call_settings, codegen_config, dynamic_shape_config,
+                               inductor_cache_counts, rounding_config)
 from .first_step import FirstStep
 from .precompiled import PrecompiledCalls
 from .precompiled import available as precompiled_available
@@ -93,9 +93,11 @@ def fp8_experts_apply(cfg: ModelConfig) -> bool:
 
 
 def make_backend(manager: PassManager, inner: str | Callable = "inductor", *,
-                 faithful_rounding: bool | str = True, times: dict[str, float] | None = None) -> Callable:
+                 faithful_rounding: bool | str = True, autotune: bool = False, cpu_simd: bool = False,
+                 times: dict[str, float] | None = None) -> Callable:
     """A ``torch.compile`` backend: run the passes on Dynamo's GraphModule, then the inner backend on the result,
-    with Inductor's ``emulate_precision_casts`` set to ``faithful_rounding`` while the inner backend compiles.
+    with Inductor's ``emulate_precision_casts`` set to ``faithful_rounding`` and its code generation settings
+    (``codegen_config``: ``autotune``, ``cpu_simd``) while the inner backend compiles.
     ``times`` (default: a new one): the dict its seconds in the passes / the inner backend add up in (two backends
     of one step share one)."""
     from torch._dynamo.backends.registry import lookup_backend
@@ -113,7 +115,8 @@ def make_backend(manager: PassManager, inner: str | Callable = "inductor", *,
         t1 = time.perf_counter()
         times["passes"] += t1 - t0
         try:
-            with rounding_config(faithful_rounding, example_inputs), cacheable_minidi_calls(gm):
+            with rounding_config(faithful_rounding, example_inputs), cacheable_minidi_calls(gm), \
+                    codegen_config(example_inputs, autotune=autotune, cpu_simd=cpu_simd):
                 return inner_fn(gm, example_inputs)
         except BaseException:  # e.g. a restart of the trace: this graph is discarded, so forget its counts
             del manager.history[n:]
@@ -212,6 +215,8 @@ def compile(  # noqa: A001 (minidi.compile mirrors torch.compile)
     dynamic: bool | None = True,
     regional: bool = False,
     faithful_rounding: bool | str = True,
+    autotune: bool = False,
+    cpu_simd: bool = False,
     progress: Callable[[str], None] | None = None,
     compile_cache: str | os.PathLike | None = None,
     **compile_kwargs: Any,
@@ -227,7 +232,10 @@ def compile(  # noqa: A001 (minidi.compile mirrors torch.compile)
     layer on its own (``RegionalStep``). ``faithful_rounding``: Inductor rounds fused intermediates where eager rounds
     (default; see the module docstring; on CPU graphs with ATen's reduction / transcendental kernels, bitwise eager),
     ``"exact"`` ATen's kernels on every graph (GPU too: eager's sums, unfused norms), ``False`` Inductor's stock
-    fused-fp32 rounding. ``progress``: called with each
+    fused-fp32 rounding. ``autotune``: let Inductor benchmark its kernels' candidate configs at a graph's first run
+    (default False: one config each, reductions' by rule, so compiled sums never depend on timings, and a shorter
+    first step; ``compile_settings.codegen_config``). ``cpu_simd``: vectorised C++ for CPU graphs (default False:
+    scalar C++, the same results, compiled in a fraction of the time). ``progress``: called with each
     progress line (they also go to the ``minidi.compile`` logger at INFO). ``compile_cache``: a folder of compiled
     artifacts (``compile_cache.py``): loaded before compiling when an entry for this model, these settings and this
     software and device exists, else written after the first step. The result has ``.pass_manager``,
@@ -246,22 +254,23 @@ def compile(  # noqa: A001 (minidi.compile mirrors torch.compile)
     if expected is None and isinstance(cfg, ModelConfig):
         expected = expected_sites(cfg, regional=regional)
     manager = PassManager(passes, strict=strict, expected=expected, op_backend=op_backend, keep_graphs=keep_graphs)
-    inner = make_backend(manager, backend, faithful_rounding=faithful_rounding)
+    codegen = {"autotune": bool(autotune), "cpu_simd": bool(cpu_simd)}
+    inner = make_backend(manager, backend, faithful_rounding=faithful_rounding, **codegen)
     report = Progress(progress)
     if regional and (not hasattr(owner, "layers") or not hasattr(owner, "step")):
         raise TypeError("regional compilation needs a minidi Transformer (with .layers and .step)")
     cache = None
     if compile_cache is not None:
         fields = key_fields(owner, passes=manager.keys, strict=strict, op_backend=op_backend,
-                            faithful_rounding=faithful_rounding, dynamic=dynamic, regional=regional,
-                            fullgraph=fullgraph, backend=backend, compile_kwargs=compile_kwargs)
+                            faithful_rounding=faithful_rounding, codegen=codegen, dynamic=dynamic,
+                            regional=regional, fullgraph=fullgraph, backend=backend, compile_kwargs=compile_kwargs)
         cache = CompileCache(compile_cache, fields, device=device_of(owner))
         clear_recorded_artifacts()  # the entry holds this compile's artifacts, not an earlier one's in this process
         cache.load()
     first = FirstStep(inner, cache)
     if regional:
         fronts = make_backend(PassManager(None, op_backend=op_backend), backend, faithful_rounding=faithful_rounding,
-                              times=inner.times)  # type: ignore[attr-defined]  # Engram fronts: no pass sites
+                              times=inner.times, **codegen)  # type: ignore[attr-defined]  # Engram fronts: no pass sites
         precompiled = _precompiled_calls(cache, dynamic, fullgraph)
         step = RegionalStep(owner, manager, inner, dynamic=dynamic, progress=report, first=first,
                             front_backend=fronts, precompiled=precompiled, fullgraph=fullgraph, **compile_kwargs)

@@ -12,13 +12,14 @@ any machine with the same key. Dynamo still traces every graph and minidi's pass
 counts are checked as on a cold start (``strict``), and also compared with the counts the manifest recorded.
 
 The key (``key_fields``): the model config (every field) and its construction choices (Engram rows), the passes,
-``strict``, ``op_backend``, ``faithful_rounding``, the shape policy (``dynamic``, ``regional``, ``fullgraph``), the
-inner backend, a hash of every minidi source file, the torch / triton / python versions, ``TRITON_INTERPRET`` and
-the device kind and name. The entry is the folder named by the key's hash, so a different key never reads it. A
-miss says why: no entry (and, when the folder holds entries for other keys, the fields that differ from the nearest
-one), or an entry that cannot be used (manifest unreadable, key fields differ from the manifest's, artifact bytes
-whose hash differs from the manifest's, torch refusing the bytes). A miss compiles as without a cache and rewrites
-the entry; nothing of an unusable entry is loaded.
+``strict``, ``op_backend``, ``faithful_rounding``, the code generation settings (``codegen``: ``autotune``,
+``cpu_simd``), the shape policy (``dynamic``, ``regional``, ``fullgraph``), the inner backend, a hash of every
+minidi source file, the torch / triton / python versions, ``TRITON_INTERPRET`` and the device kind and name. The
+entry is the folder named by the key's hash, so a different key never reads it. A miss says why: no entry (and, when
+the folder holds entries for other keys, the fields that differ from the nearest one), or an entry that cannot be
+used (manifest unreadable, key fields differ from the manifest's, artifact bytes whose hash differs from the
+manifest's, torch refusing the bytes). A miss compiles as without a cache and rewrites the entry; nothing of an
+unusable entry is loaded.
 
 Also here, for ``compile.py``: ``cacheable_minidi_calls`` (lets AOTAutograd's cache keep graphs that call minidi's
 op wrappers; without it every start re-traces AOT, and its graphs missed Inductor's cache in a second process too).
@@ -97,7 +98,7 @@ def _jsonable(x: Any) -> Any:
 
 
 def key_fields(model: Any, *, passes: list[str], strict: bool, op_backend: str, faithful_rounding: bool,
-               dynamic: bool | None, regional: bool, fullgraph: bool, backend: Any,
+               codegen: dict[str, bool], dynamic: bool | None, regional: bool, fullgraph: bool, backend: Any,
                compile_kwargs: dict[str, Any]) -> dict[str, Any]:
     """Everything a compiled artifact depends on, as plain JSON (the key is its hash)."""
     cfg = getattr(model, "cfg", None)
@@ -105,6 +106,7 @@ def key_fields(model: Any, *, passes: list[str], strict: bool, op_backend: str, 
     return _jsonable({
         "format": FORMAT, "config": config, "engram_rows": getattr(model, "engram_rows", None),
         "passes": list(passes), "strict": strict, "op_backend": op_backend, "faithful_rounding": faithful_rounding,
+        "codegen": dict(codegen),
         "dynamic": dynamic, "regional": regional, "fullgraph": fullgraph, "stage_markers": stages.enabled(),
         "backend": backend if isinstance(backend, str) else f"{backend.__module__}.{backend.__qualname__}",
         "compile_kwargs": {k: repr(v) for k, v in sorted(compile_kwargs.items())},

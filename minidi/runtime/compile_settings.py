@@ -6,6 +6,8 @@
   ``torch._dynamo.config`` is what it was.
 - **Rounding** (``rounding_config``): Inductor rounds fused intermediates where eager rounds (``faithful_rounding``);
   CPU graphs (or any with ``"exact"``) run ATen's reduction and transcendental kernels (``exact_cpu.py``).
+- **Code generation** (``codegen_config``): no benchmarking of kernel configs at a graph's first run unless asked
+  (``autotune``), and scalar C++ for CPU graphs unless asked (``cpu_simd``): both cut the first step's time.
 - **Progress** (``Progress``, ``cache_note``, ``inductor_cache_counts``): lines to the ``minidi.compile`` logger (and
   an optional callback), with the hits / misses of Inductor's FX graph cache and AOTAutograd's cache.
 """
@@ -15,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections import Counter
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -68,6 +70,38 @@ def rounding_config(faithful: bool | str, example_inputs: list) -> contextlib.Ex
         stack.enter_context(inductor_config.patch(emulate_precision_casts=bool(faithful)))
     if faithful == "exact" or (faithful is True and all_cpu(example_inputs)):
         stack.enter_context(aten_kernels())
+    return stack
+
+
+def codegen_config(example_inputs: list, *, autotune: bool, cpu_simd: bool) -> contextlib.ExitStack:
+    """Inductor's code-generation settings for one graph, patched while it generates code (its FX graph cache keys on
+    them, so a cached graph is never one generated under other settings).
+
+    ``autotune=False`` (minidi's default): nothing is benchmarked when a graph first runs. Inductor's deterministic
+    mode picks each reduction kernel's config by rule (its block sizes fix the order of the sums, so the compiled
+    numbers never depend on which config happened to time faster on a machine: a cold start, a warm start and
+    another machine sum alike) and skips its other compile-time benchmarks (mm padding); a pointwise kernel gets one
+    config. It also compiles one config per kernel instead of up to seven. ``True``: Inductor's stock behaviour
+    (candidate configs compiled and timed at first run; the pick, and with it the sums, may differ between runs).
+    Absent settings (older torch) are skipped.
+
+    ``cpu_simd=False`` (default): CPU graphs compile scalar C++ (Inductor's vectorised CPU code costs most of a CPU
+    compile: the vectorisation analysis in Python and the C++ compiler on AVX templates; tiny V4.1 cold on 2 cores
+    measured in docs/benchmarks/README.md). The results are the same: a faithful CPU graph's reductions and
+    transcendentals run ATen's kernels (``exact_cpu``) and the remaining elementwise arithmetic rounds per IEEE op
+    either way. ``True``: Inductor's SIMD code (faster CPU steps for larger models)."""
+    import torch._inductor.config as inductor_config
+
+    stack = contextlib.ExitStack()
+    patch: dict[str, Any] = {}
+    if not autotune:
+        if hasattr(inductor_config, "deterministic"):
+            patch["deterministic"] = True
+        patch["triton.autotune_pointwise"] = False
+    if not cpu_simd and all_cpu(example_inputs) and hasattr(inductor_config.cpp, "vec_isa_ok"):
+        patch["cpp.vec_isa_ok"] = False
+    if patch:
+        stack.enter_context(inductor_config.patch(patch))
     return stack
 
 

@@ -32,11 +32,13 @@ class TritonCompiles:
     """Triton compiles in this process between ``start`` and ``stop``, counted through Triton's compilation
     listener (``triton.knobs.compilation.listener``; absent in old Triton: ``available`` False, nothing counted).
     ``compiles``: kernels compiled, ``cache_hits``: kernels loaded from Triton's cache, ``seconds``: the compiles'
-    time (IR, lowering stages, store). Chains a listener set before it and puts it back on ``stop``."""
+    time (IR, lowering stages, store), ``per_kernel``: kernel name -> [compiles, seconds] (a kernel compiled for
+    several specialisations counts each). Chains a listener set before it and puts it back on ``stop``."""
 
     def __init__(self) -> None:
         self.compiles = self.cache_hits = 0
         self.seconds = 0.0
+        self.per_kernel: dict[str, list] = {}
         self._knobs: Any = None
         self._previous: Any = None
         try:
@@ -67,14 +69,24 @@ class TritonCompiles:
             times = event.get("times")
             us = sum(getattr(times, f, 0) or 0 for f in ("ir_initialization", "total_lowering", "store_results"))
             self.seconds += us / 1e6
+            entry = self.per_kernel.setdefault(_kernel_name(event.get("src")), [0, 0.0])
+            entry[0] += 1
+            entry[1] += us / 1e6
         if self._previous is not None:
             self._previous(**event)
 
     def record(self) -> dict[str, Any] | None:
         if not self.available:
             return None
-        return {"compiles": self.compiles, "cache_hits": self.cache_hits, "s": round(self.seconds, 2)}
+        kernels = sorted(self.per_kernel.items(), key=lambda kv: (-kv[1][1], kv[0]))
+        return {"compiles": self.compiles, "cache_hits": self.cache_hits, "s": round(self.seconds, 2),
+                "kernels": {k: [n, round(s, 2)] for k, (n, s) in kernels}}
 
+
+def _kernel_name(src: Any) -> str:
+    """A compiled kernel's name from Triton's source object (``ASTSource.name``; IR sources have none)."""
+    name = getattr(src, "name", None) or getattr(getattr(src, "fn", None), "__name__", None)
+    return str(name) if name else "(unnamed)"
 
 def _torch_compile_seconds() -> dict[str, float]:
     """Seconds torch's ``dynamo_timed`` phases took so far in this process, per phase (nested phases overlap)."""

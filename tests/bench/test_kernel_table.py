@@ -163,6 +163,25 @@ def test_cuda_kernels_take_the_work_of_the_op_that_launched_them_alone():
     assert sum(r["pct_step"] for r in t.rows) <= 100
 
 
+def test_rows_split_their_time_by_stage():
+    """Each call goes to the category of the innermost stage range at its launch: a marker range, or the call of one
+    of minidi's ops (its own stage wherever it was launched); launches outside every range are "other"."""
+    trace = _cuda_trace()
+    trace["traceEvents"] += [
+        _x("user_annotation", "minidi/moe", A, 90, 500),  # holds launches 1 (GEMM), 2, 3, 4
+        _x("user_annotation", "minidi/moe.comm", A, 140, 20),  # holds launch 1
+        _op("minidi::topk_indices", 540, 40),  # an indexer op inside the moe range: holds launch 4
+        _launch(8, 950), _kernel(8, GEMM, 60),  # outside every range
+    ]
+    t = kernel_table(trace, top=10)
+    rows = {r.get("full_name", r["name"]): r for r in t.rows}
+    assert rows[GEMM]["stages_ms"] == {"hc_norm_other": 0.06, "communication": 0.04}
+    assert rows[EW]["stages_ms"] == {"moe": 0.01}
+    assert rows["k_a"]["stages_ms"] == {"moe": 0.005} and rows["k_b"]["stages_ms"] == {"indexer": 0.005}
+    assert rows["triton_poi_fused_add_0"]["stages_ms"] == {"hc_norm_other": 0.002}
+    assert all(sum(r["stages_ms"].values()) == pytest.approx(r["ms_per_step"]) for r in t.rows)
+
+
 def test_cuda_host_copies_get_no_pct_of_the_device_peak():
     trace = _cuda_trace()
     ev = trace["traceEvents"]

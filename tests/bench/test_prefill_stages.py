@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from bench.prefill_stages import (
-    NoStageRangesError, format_stage_table, gpu_busy_ms_per_step, has_device_events, main, stage_ms_per_step,
+    OP_STAGE, NoStageRangesError, format_stage_table, gpu_busy_ms_per_step, has_device_events, main,
+    stage_ms_per_step,
 )
 from minidi.model import stages
 from minidi.runtime.flops import CATEGORIES
@@ -84,6 +85,42 @@ def test_cuda_attribution_exact():
     assert got == pytest.approx({k: _ms(v) for k, v in want.items()})
     assert gpu_busy_ms_per_step(_cuda_trace(), 2) == pytest.approx(_ms(7 + 11 + 13 + 2 + 17 + 19 + 3 + 5 + 23 + 1))
     assert sum(got.values()) == pytest.approx(gpu_busy_ms_per_step(_cuda_trace(), 2))
+
+
+def test_a_minidi_op_call_is_a_range_of_its_own_stage():
+    """Kernels launched by one of minidi's ops belong to the op's stage even where the compiler placed the call inside
+    another stage's markers (H200: the indexer's kernels inside attn.core, the MoE's inside moe.comm); kernels
+    launched next to the op call stay with the markers."""
+    trace = _cuda_trace()
+    trace["traceEvents"] += [
+        _x("cpu_op", "minidi::topk_indices", A, 270, 15),  # the indexer's op, called inside attn.core
+        _x("cpu_op", "minidi::hc_expand", A, 670, 20),  # an mHC op inside moe.comm: "other"
+        _x("cpu_op", "minidi::rotated_blocks", A, 520, 10),  # the exchange's op, called in moe
+        _x("cpu_op", "aten::mm", A, 560, 5),  # not minidi's: the markers decide
+        _launch(11, A, 275), _launch(12, A, 675), _launch(13, A, 525), _launch(14, A, 562),
+        _device(11, 29), _device(12, 31), _device(13, 37), _device(14, 41),
+    ]
+    got = stage_ms_per_step(trace, steps=2, cuda=True)
+    want = {"sparse_attention_core": 13 + 2, "other_attention": 11, "indexer": 17 + 29, "moe": 19 + 41,
+            "communication": 3 + 37, "hc_norm_other": 7 + 5 + 23 + 1 + 31}
+    assert got == pytest.approx({k: _ms(v) for k, v in want.items()})
+
+
+def test_every_minidi_op_has_a_stage_or_is_left_to_the_markers():
+    """A new op must say which stage its kernels belong to (or None: "other"); gate_tf32x3 serves the MoE gate and the
+    mHC mixers, and the markers themselves are ops: both are left to the markers."""
+    import importlib
+    import pkgutil
+
+    import minidi.ops
+    import minidi.runtime.expert_parallel  # noqa: F401 (registers rotated_blocks)
+
+    for mod in pkgutil.iter_modules(minidi.ops.__path__):
+        importlib.import_module(f"minidi.ops.{mod.name}")
+    registered = {n for n in torch._C._dispatch_get_all_op_names() if n.startswith("minidi::")}
+    left_to_markers = {"minidi::gate_tf32x3", "minidi::stage_mark"}
+    assert registered - left_to_markers == set(OP_STAGE), sorted(registered - left_to_markers ^ set(OP_STAGE))
+    assert {v for v in OP_STAGE.values() if v is not None} <= set(stages.STAGES)
 
 
 def test_cuda_attribution_follows_the_launching_thread():

@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from minidi.model.indexer import candidate_allowed, candidate_blocks, candidate_mask, indexer_topk_naive
+from minidi.model.indexer import (block_max, candidate_allowed, candidate_blocks, candidate_mask,
+                                  indexer_topk_naive)
 from minidi.model.moe import RoutedExperts, grouped_mm, moe_combine_naive
 from minidi.model.presets import preset
 from minidi.model.sparse_attention import sparse_attention_naive
@@ -175,6 +176,23 @@ def test_candidate_blocks_are_ascending_ids_then_minus_one():
     s = torch.randn(5, 37, generator=g)
     b = candidate_blocks(s, torch.zeros(5, dtype=torch.long), torch.full((5,), 37), keep_blocks=4, block=4)
     assert torch.equal(b, b.sort(dim=1).values) and b.shape == (5, 4) and (b >= 0).all()
+
+
+@pytest.mark.parametrize("n, block", [(64, 8), (37, 4), (5, 8), (8, 1)])
+def test_block_max_equals_the_padded_amax_bitwise(n, block):
+    """The elementwise-max chain is the amax of each block (last block padded with -inf), NaN and -inf included."""
+    g = torch.Generator().manual_seed(n * 31 + block)
+    s = torch.randn(6, n, generator=g).to(torch.bfloat16)
+    s[1] = float("-inf")
+    s[2, ::3] = float("-inf")
+    s[3, n // 2] = float("nan")
+    s[4, 0] = float("inf")
+    pad = -n % block
+    want = torch.nn.functional.pad(s.float(), (0, pad), value=float("-inf")).view(6, -1, block).amax(-1)
+    got = block_max(s, block)
+    assert got.dtype == torch.float32 and got.shape == want.shape
+    assert torch.equal(got.isnan(), want.isnan()) and want.isnan().any()
+    assert torch.equal(torch.nan_to_num(got), torch.nan_to_num(want))
 
 
 def test_moe_combine_never_leaks_nonlocal_rows():

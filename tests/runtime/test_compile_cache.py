@@ -41,7 +41,8 @@ def one_layer_model() -> torch.nn.Module:
 
 
 def fields_of(model, passes=("A", "C"), **kw) -> dict:
-    args = dict(passes=list(passes), strict=True, op_backend="auto", faithful_rounding=True, dynamic=True,
+    args = dict(passes=list(passes), strict=True, op_backend="auto", faithful_rounding=True,
+                codegen={"autotune": False, "cpu_simd": False}, dynamic=True,
                 regional=True, fullgraph=True, backend="inductor", compile_kwargs={})
     return key_fields(model, **{**args, **kw})
 
@@ -64,7 +65,9 @@ def test_key_changes_with_passes_config_and_settings():
     for other, field in [(fields_of(model, passes=("A",)), "passes"), (other_cfg, "config.window_size"),
                          (fields_of(model, faithful_rounding=False), "faithful_rounding"),
                          (fields_of(model, regional=False), "regional"), (fields_of(model, op_backend="ref"),
-                                                                          "op_backend")]:
+                                                                          "op_backend"),
+                         (fields_of(model, codegen={"autotune": True, "cpu_simd": False}), "codegen.autotune"),
+                         (fields_of(model, codegen={"autotune": False, "cpu_simd": True}), "codegen.cpu_simd")]:
         assert CompileCache("x", other).key != CompileCache("x", base).key, field
         assert differing(base, other) == [field]
     for name in ("minidi_source", "torch", "triton", "python", "device", "device_name", "TRITON_INTERPRET"):

@@ -37,13 +37,15 @@ def test_triton_compiles_count_compiles_and_cache_hits_and_chain_the_previous_li
     try:
         counter.start()
         assert knobs.compilation.listener is counter
-        event = dict(src=None, metadata=None, metadata_group={})
+        event = dict(src=types.SimpleNamespace(name="_kernel_a"), metadata=None, metadata_group={})
         knobs.compilation.listener(**event, times=_times(1_000, [2_000, 500_000], 3_000), cache_hit=False)
         knobs.compilation.listener(**event, times=_times(7, [7], 7), cache_hit=True)
+        knobs.compilation.listener(**{**event, "src": None}, times=_times(0, [20_000], 0), cache_hit=False)
         counter.stop()
         assert knobs.compilation.listener is earlier  # put back
-        assert seen == [False, True]  # chained
-        assert counter.record() == {"compiles": 1, "cache_hits": 1, "s": 0.51}
+        assert seen == [False, True, False]  # chained
+        assert counter.record() == {"compiles": 2, "cache_hits": 1, "s": 0.53,
+                                    "kernels": {"_kernel_a": [1, 0.51], "(unnamed)": [1, 0.02]}}
         assert counter.seen
     finally:
         knobs.compilation.listener = previous
