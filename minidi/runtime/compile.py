@@ -235,8 +235,8 @@ def compile(  # noqa: A001 (minidi.compile mirrors torch.compile)
     fused-fp32 rounding. ``autotune``: let Inductor benchmark its kernels' candidate configs at a graph's first run
     (default False: one config each, reductions' by rule, so compiled sums never depend on timings, and a shorter
     first step; ``compile_settings.codegen_config``). ``cpu_simd``: vectorised C++ for CPU graphs (default False:
-    scalar C++, the same results, compiled in a fraction of the time). ``progress``: called with each
-    progress line (they also go to the ``minidi.compile`` logger at INFO). ``compile_cache``: a folder of compiled
+    scalar C++, the same results, a faster compile and a slower step; ``codegen_config``). ``progress``: called with
+    each progress line (they also go to the ``minidi.compile`` logger at INFO). ``compile_cache``: a folder of compiled
     artifacts (``compile_cache.py``): loaded before compiling when an entry for this model, these settings and this
     software and device exists, else written after the first step. The result has ``.pass_manager``,
     ``.compile_cache`` (None, or its status: ``.status`` "hit" / "miss", ``.reason``, ``.artifact_bytes``),

@@ -85,11 +85,12 @@ def codegen_config(example_inputs: list, *, autotune: bool, cpu_simd: bool) -> c
     (candidate configs compiled and timed at first run; the pick, and with it the sums, may differ between runs).
     Absent settings (older torch) are skipped.
 
-    ``cpu_simd=False`` (default): CPU graphs compile scalar C++ (Inductor's vectorised CPU code costs most of a CPU
-    compile: the vectorisation analysis in Python and the C++ compiler on AVX templates; tiny V4.1 cold on 2 cores
-    measured in docs/benchmarks/README.md). The results are the same: a faithful CPU graph's reductions and
-    transcendentals run ATen's kernels (``exact_cpu``) and the remaining elementwise arithmetic rounds per IEEE op
-    either way. ``True``: Inductor's SIMD code (faster CPU steps for larger models)."""
+    ``cpu_simd=False`` (default): CPU graphs compile scalar C++. Inductor's vectorised CPU code costs a large part
+    of a CPU compile (its vectorisation analysis in Python, the C++ compiler on vector templates): tiny V4.1's cold
+    start on 2 cores is 1.28-1.73x faster scalar, its compiled step ~1.5x slower (docs/benchmarks/README.md, round
+    14). The results are the same: a faithful CPU graph's reductions and transcendentals run ATen's kernels
+    (``exact_cpu``) and the remaining elementwise arithmetic rounds per IEEE op either way. ``True``: Inductor's SIMD
+    code, for CPU runs of many steps."""
     import torch._inductor.config as inductor_config
 
     stack = contextlib.ExitStack()
