@@ -181,9 +181,8 @@ def _device_stage_us(events: list[dict], ranges: list[_Range]) -> dict[str, floa
     threads = _by_thread(ranges)
     for thread, items in per_thread.items():
         items.sort()
-        owners = innermost(threads.get(thread, []), [ts for ts, _ in items])
-        for (_, dur), owner in zip(items, owners):
-            out[owner.category if owner else OTHER] += dur
+        for (_, dur), category in zip(items, categories_at(threads, thread, [ts for ts, _ in items])):
+            out[category] += dur
     return out
 
 

@@ -88,6 +88,7 @@ def _kernel_name(src: Any) -> str:
     name = getattr(src, "name", None) or getattr(getattr(src, "fn", None), "__name__", None)
     return str(name) if name else "(unnamed)"
 
+
 def _torch_compile_seconds() -> dict[str, float]:
     """Seconds torch's ``dynamo_timed`` phases took so far in this process, per phase (nested phases overlap)."""
     from torch._dynamo import utils
