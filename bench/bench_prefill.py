@@ -91,6 +91,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--cpu_simd", action="store_true",
                     help="compiled modes on the CPU: vectorised C++ (default: scalar C++, same results, a faster "
                          "compile; minidi.compile's cpu_simd)")
+    ap.add_argument("--no_precompile", action="store_true",
+                    help="compiled modes on a GPU: compile minidi's Triton kernels at their first launch, one after "
+                         "another (default: in a thread pool while AOT and Inductor work on each graph; "
+                         "minidi.compile's precompile_kernels)")
     ap.add_argument("--emulate-ep", "--emulate_ep", dest="emulate_ep", type=int, default=1,
                     help="reproduce one rank of expert parallelism N on this device")
     ap.add_argument("--share_experts", "--share-experts", choices=("auto", "on", "off"), default="auto",

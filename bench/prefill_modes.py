@@ -49,7 +49,8 @@ def make_step(model, mode: str, args):
     return minidi.compile(model, passes, strict=mode == "passes", backend=args.backend, fullgraph=True,
                           dynamic=True, regional=args.compile_scope == "layer",
                           faithful_rounding=ROUNDING[args.faithful_rounding], autotune=args.autotune,
-                          cpu_simd=args.cpu_simd, compile_cache=args.compile_cache)
+                          cpu_simd=args.cpu_simd, precompile_kernels=not args.no_precompile,
+                          compile_cache=args.compile_cache)
 
 
 def pass_matches(step) -> dict | None:
@@ -59,7 +60,7 @@ def pass_matches(step) -> dict | None:
     return step.counts if hasattr(step, "counts") else dict(manager.counts)
 
 
-COMPILE_RECORD_KEYS = ("compile_s", "compile_detail_s", "triton_jit", "cache", "compile_cache")
+COMPILE_RECORD_KEYS = ("compile_s", "compile_detail_s", "triton_jit", "kernel_precompile", "cache", "compile_cache")
 
 
 def compile_record(step) -> dict:
@@ -70,6 +71,8 @@ def compile_record(step) -> dict:
     return {"compile_s": getattr(step, "compile_s", None) or None,
             "compile_detail_s": first.detail if first is not None else None,  # every torch phase >= 0.05 s
             "triton_jit": first.triton.record() if first is not None else None,  # compiles in this process
+            # minidi's kernels handed to the compile pool before each graph's first run (kernel_precompile.py)
+            "kernel_precompile": first.precompile if first is not None else None,
             "cache": cc.status if cc else None,
             "compile_cache": cc.summary() if cc else None}
 
@@ -185,6 +188,7 @@ def _what_ran(mode: str, cfg, sizes: dict, args, card: dict) -> dict:
         "ep": cfg.ep_size, **sizes,
         "steps": args.steps, "faithful_rounding": None if mode == "eager" else ROUNDING[args.faithful_rounding],
         "autotune": None if mode == "eager" else args.autotune, "cpu_simd": None if mode == "eager" else args.cpu_simd,
+        "precompile_kernels": None if mode == "eager" else not args.no_precompile,
         **{k: card[k] for k in ("device", "dtype", "torch", "peaks", "shared_experts", "engram_table_rows", "gate_bias",
                                   "ptxas", "fp4_tiles")},
     }

@@ -45,6 +45,7 @@ from .compile_cache import CompileCache, cacheable_minidi_calls, clear_recorded_
 from .compile_settings import (Progress, cache_note, call_settings, codegen_config, dynamic_shape_config,
                                inductor_cache_counts, rounding_config)
 from .first_step import FirstStep
+from .kernel_precompile import precompiler
 from .precompiled import PrecompiledCalls
 from .precompiled import available as precompiled_available
 from .regional import RegionalStep, layer_kind
@@ -94,18 +95,20 @@ def fp8_experts_apply(cfg: ModelConfig) -> bool:
 
 def make_backend(manager: PassManager, inner: str | Callable = "inductor", *,
                  faithful_rounding: bool | str = True, autotune: bool = False, cpu_simd: bool = False,
-                 times: dict[str, float] | None = None) -> Callable:
+                 precompile_kernels: bool = True, times: dict[str, float] | None = None) -> Callable:
     """A ``torch.compile`` backend: run the passes on Dynamo's GraphModule, then the inner backend on the result,
     with Inductor's ``emulate_precision_casts`` set to ``faithful_rounding`` and its code generation settings
-    (``codegen_config``: ``autotune``, ``cpu_simd``) while the inner backend compiles.
-    ``times`` (default: a new one): the dict its seconds in the passes / the inner backend add up in (two backends
-    of one step share one)."""
+    (``codegen_config``: ``autotune``, ``cpu_simd``) while the inner backend compiles. ``precompile_kernels``: between
+    the two, hand the Triton kernels of the graph's minidi ops to a compile pool (``kernel_precompile.py``), so that
+    they compile while AOT and Inductor work and the graph's first run finds them compiled.
+    ``times`` (default: a new one): the dict its seconds in the passes / the precompile submission / the inner
+    backend add up in (two backends of one step share one)."""
     from torch._dynamo.backends.registry import lookup_backend
 
     if not (isinstance(faithful_rounding, bool) or faithful_rounding == "exact"):
         raise ValueError(f"faithful_rounding must be True, False or 'exact', got {faithful_rounding!r}")
     inner_fn = lookup_backend(inner) if isinstance(inner, str) else inner
-    times = {"passes": 0.0, "backend": 0.0} if times is None else times
+    times = {"passes": 0.0, "precompile": 0.0, "backend": 0.0} if times is None else times
 
     def minidi_backend(gm: GraphModule, example_inputs: list) -> Callable:
         n, layer = len(manager.history), manager.current_layer
@@ -114,6 +117,10 @@ def make_backend(manager: PassManager, inner: str | Callable = "inductor", *,
         manager.run(gm)
         t1 = time.perf_counter()
         times["passes"] += t1 - t0
+        if precompile_kernels:
+            precompiler().submit_graph(gm)
+            times["precompile"] = times.get("precompile", 0.0) + time.perf_counter() - t1
+            t1 = time.perf_counter()
         try:
             with rounding_config(faithful_rounding, example_inputs), cacheable_minidi_calls(gm), \
                     codegen_config(example_inputs, autotune=autotune, cpu_simd=cpu_simd):
@@ -217,6 +224,7 @@ def compile(  # noqa: A001 (minidi.compile mirrors torch.compile)
     faithful_rounding: bool | str = True,
     autotune: bool = False,
     cpu_simd: bool = False,
+    precompile_kernels: bool = True,
     progress: Callable[[str], None] | None = None,
     compile_cache: str | os.PathLike | None = None,
     **compile_kwargs: Any,
@@ -235,7 +243,9 @@ def compile(  # noqa: A001 (minidi.compile mirrors torch.compile)
     fused-fp32 rounding. ``autotune``: let Inductor benchmark its kernels' candidate configs at a graph's first run
     (default False: one config each, reductions' by rule, so compiled sums never depend on timings, and a shorter
     first step; ``compile_settings.codegen_config``). ``cpu_simd``: vectorised C++ for CPU graphs (default False:
-    scalar C++, the same results, a faster compile and a slower step; ``codegen_config``). ``progress``: called with
+    scalar C++, the same results, a faster compile and a slower step; ``codegen_config``). ``precompile_kernels``:
+    compile the Triton kernels of each graph's minidi ops in a thread pool while AOT and Inductor work on the graph
+    (default True; GPU only; ``kernel_precompile.py``: the same kernels, compiled earlier). ``progress``: called with
     each progress line (they also go to the ``minidi.compile`` logger at INFO). ``compile_cache``: a folder of compiled
     artifacts (``compile_cache.py``): loaded before compiling when an entry for this model, these settings and this
     software and device exists, else written after the first step. The result has ``.pass_manager``,
@@ -255,7 +265,8 @@ def compile(  # noqa: A001 (minidi.compile mirrors torch.compile)
         expected = expected_sites(cfg, regional=regional)
     manager = PassManager(passes, strict=strict, expected=expected, op_backend=op_backend, keep_graphs=keep_graphs)
     codegen = {"autotune": bool(autotune), "cpu_simd": bool(cpu_simd)}
-    inner = make_backend(manager, backend, faithful_rounding=faithful_rounding, **codegen)
+    inner = make_backend(manager, backend, faithful_rounding=faithful_rounding,
+                         precompile_kernels=precompile_kernels, **codegen)
     report = Progress(progress)
     if regional and (not hasattr(owner, "layers") or not hasattr(owner, "step")):
         raise TypeError("regional compilation needs a minidi Transformer (with .layers and .step)")
@@ -270,7 +281,8 @@ def compile(  # noqa: A001 (minidi.compile mirrors torch.compile)
     first = FirstStep(inner, cache)
     if regional:
         fronts = make_backend(PassManager(None, op_backend=op_backend), backend, faithful_rounding=faithful_rounding,
-                              times=inner.times, **codegen)  # type: ignore[attr-defined]  # Engram fronts: no pass sites
+                              precompile_kernels=precompile_kernels, times=inner.times,  # type: ignore[attr-defined]
+                              **codegen)  # Engram fronts: no pass sites
         precompiled = _precompiled_calls(cache, dynamic, fullgraph)
         step = RegionalStep(owner, manager, inner, dynamic=dynamic, progress=report, first=first,
                             front_backend=fronts, precompiled=precompiled, fullgraph=fullgraph, **compile_kwargs)

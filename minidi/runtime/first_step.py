@@ -1,7 +1,8 @@
 """The first call of a compiled step (``compile.py``): the split of its seconds by phase (``compile_s``), every
 phase of torch's own timers (``compile_detail_s``), the Triton compiles it ran in this process (minidi's kernels,
-compiled by Triton's JIT at their first launch: ``triton_jit`` seconds, ``TritonCompiles``), and the compile cache's
-check and save after it (``compile_cache.py``).
+compiled by Triton's JIT in ``kernel_precompile``'s pool or at their first launch: ``triton_jit`` seconds summed over
+threads, ``TritonCompiles``; the pool's counters: ``precompile``), and the compile cache's check and save after it
+(``compile_cache.py``).
 
 Where the seconds go (H200, V4.1-Flash EP4, 7 layer kinds, ``docs/benchmarks/README.md``): Dynamo's tracing, AOT
 tracing, Inductor's lowering and code generation, the wait for Inductor's Triton / C++ compiles (a worker pool), and
@@ -15,6 +16,7 @@ import time
 from typing import Any, Callable
 
 from .compile_cache import CompileCache
+from .kernel_precompile import precompiler
 
 log = logging.getLogger("minidi.compile")
 
@@ -96,6 +98,13 @@ def _torch_compile_seconds() -> dict[str, float]:
     return {k: sum(v) for k, v in getattr(utils, "compilation_time_metrics", {}).items()}
 
 
+def _precompile_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """``KernelPrecompiler.record()`` counters between two snapshots (``stopped``: the ops that stopped early since)."""
+    out = {k: round(after[k] - before.get(k, 0), 2) for k in ("submitted", "ops_run", "failed", "wait_s")}
+    out["stopped"] = {k: v for k, v in after["stopped"].items() if k not in before.get("stopped", {})}
+    return out
+
+
 class FirstStep:
     """What the first call of a compiled step (``compile.py``) measures and does: the split of its seconds
     (``compile_s``) and the compile cache's check and save (``cache``: a ``CompileCache`` or None)."""
@@ -112,6 +121,8 @@ class FirstStep:
         self.t0, self.torch0, self.mine0 = 0.0, {}, {}
         self.detail: dict[str, float] = {}  # every torch phase of the first call (``phase_detail``)
         self.triton = TritonCompiles()
+        self.precompile: dict[str, Any] | None = None  # the first call's share of ``kernel_precompile`` (``finish``)
+        self._precompile0: dict[str, Any] = {}
         # () -> (precompiled graphs' bytes or None, per-layer pass counts): what a compile cache entry also keeps
         # when the layers were compiled ahead of time (``precompiled.py``); set by ``minidi.compile``
         self.precompiled: Callable[[], tuple[bytes | None, dict[int, dict[str, int]]]] | None = None
@@ -119,6 +130,7 @@ class FirstStep:
     def start(self) -> None:
         self.t0, self.torch0, self.mine0 = time.perf_counter(), _torch_compile_seconds(), dict(self.times)
         self.triton.start()
+        self._precompile0 = precompiler().record()
 
     def finish(self, counts: Callable[[], dict[str, int] | None]) -> dict[str, float]:
         total = time.perf_counter() - self.t0
@@ -128,6 +140,9 @@ class FirstStep:
         self.detail = phase_detail(delta)
         mine = {k: self.times[k] - self.mine0.get(k, 0.0) for k in self.times}
         out = {"first_step": total, "passes": mine["passes"], "backend": mine["backend"]}
+        self.precompile = _precompile_delta(self._precompile0, precompiler().record())
+        if self.precompile["submitted"] or mine.get("precompile", 0.0) > 0.0:
+            out["kernel_precompile"] = mine.get("precompile", 0.0)  # the graphs' ops run on fake tensors
         dynamo = [delta[k] for k in self.DYNAMO if k in delta]
         if dynamo:
             out["dynamo"] = sum(dynamo)
