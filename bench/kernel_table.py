@@ -239,10 +239,13 @@ class KernelTable:
 
 
 def kernel_table(trace: prefill_stages.Trace, top: int, peaks: dict | None = None,
-                 cuda: bool | None = None) -> KernelTable:
+                 cuda: bool | None = None,
+                 model_flops: dict[str, tuple[tuple[str, ...], float]] | None = None) -> KernelTable:
     """The ``top`` kernels by total time over the trace's ``minidi/step`` ranges (``cuda``: device events; False:
     CPU op self times; None: device events where the trace has them). ``peaks``: ``bf16_tflops`` / ``copy_gbps``
-    for ``pct_peak`` (left out without them). Raises ValueError when the trace has no step range."""
+    for ``pct_peak`` (left out without them). ``model_flops``: label -> (kernel names, FLOPs per step) from the
+    model's count (``model_work.kernel_model_flops``), given to the heaviest of those kernels in the trace where the
+    trace has no FLOPs for it (the row says ``flops_from``). Raises ValueError when the trace has no step range."""
     if not isinstance(top, int) or top < 1:
         raise ValueError(f"top must be an int >= 1 (rows of the kernel table), got {top!r}")
     events = prefill_stages.load_events(trace)
@@ -261,6 +264,7 @@ def kernel_table(trace: prefill_stages.Trace, top: int, peaks: dict | None = Non
     ranked = sorted(groups.items(), key=lambda kv: (-sum(c.us for c in kv[1]), kv[0]))[:top]
     names = short_names([k for k, _ in ranked])
     rows = [_row(names[k], k, cs, n, step_ms, peaks or {}) for k, cs in ranked]
+    _add_model_flops(rows, groups, model_flops or {}, peaks or {})
     return KernelTable(rows, "cuda device events" if cuda else "cpu op self time", n, step_ms,
                        sum(c.us for c in calls) / 1e3 / n, len(groups))
 
@@ -296,6 +300,26 @@ def _row(name: str, full: str, calls: list[_Call], steps: int, step_ms: float, p
     return row
 
 
+def _add_model_flops(rows: list[dict], groups: dict[str, list[_Call]],
+                     model_flops: dict[str, tuple[tuple[str, ...], float]], peaks: dict) -> None:
+    """Each label's FLOPs per step on the row of its heaviest kernel in the trace (when that row has none)."""
+    by_full = {r.get("full_name", r["name"]): r for r in rows}
+    for label, (kernels, flops) in model_flops.items():
+        present = [k for k in kernels if k in groups]
+        if not present:
+            continue
+        heaviest = max(present, key=lambda k: (sum(c.us for c in groups[k]), k))
+        row = by_full.get(heaviest)
+        if row is None or "flops_per_step" in row:
+            continue
+        row["flops_per_step"], row["flops_from"] = round(flops), f"model: {label}"
+        if row["ms_per_step"] > 0:
+            r, p = common.rate(row["ms_per_step"], row["flops_per_step"], "TFLOP/s", peaks)
+            row["tflops"] = _sig(r)
+            if not math.isnan(p):
+                row["pct_peak"] = _sig(max(p, row.get("pct_peak", -math.inf)))
+
+
 def _sig(x: float, digits: int = 4) -> float:
     return float(f"{x:.{digits}g}")
 
@@ -309,7 +333,8 @@ def format_kernel_table(rows: list[dict], summary: dict, peaks: dict | None = No
 
     shown = [{"name": r["name"], "calls/step": num(r["calls_per_step"], "g"), "ms/step": num(r["ms_per_step"], ".4f"),
               "% step": num(r.get("pct_step"), ".2f"),
-              "GFLOP/step": num(r.get("flops_per_step") and r["flops_per_step"] / 1e9, ".4g"),
+              "GFLOP/step": num(r.get("flops_per_step") and r["flops_per_step"] / 1e9, ".4g")
+              + ("*" if r.get("flops_from") else ""),
               "MB/step": num(r.get("bytes_per_step") and r["bytes_per_step"] / 1e6, ".4g"),
               "TFLOP/s": num(r.get("tflops"), ".4g"), "GB/s": num(r.get("gbps"), ".4g"),
               "% peak": num(r.get("pct_peak"), ".1f")} for r in rows]
@@ -320,7 +345,8 @@ def format_kernel_table(rows: list[dict], summary: dict, peaks: dict | None = No
             f"step{'s' * (steps > 1)}; step {summary['step_ms']:.3f} ms")
     foot = (f"  these rows: {top:.3f} ms/step; all {summary['distinct']}: {summary['all_ms_per_step']:.3f} ms/step; "
             f"% peak of {peaks.get('bf16_tflops', '?')} TFLOP/s bf16 matmul or {peaks.get('copy_gbps', '?')} GB/s "
-            "copy (measured)")
+            "copy (measured)" + ("; * the model's FLOPs (flops_from): an effective rate" if any(
+                r.get("flops_from") for r in rows) else ""))
     return common.format_table(head, shown, name_width=width, width=10) + "\n" + foot
 
 

@@ -22,9 +22,11 @@ from minidi.runtime.flops import mfu, step_flops
 
 if __package__:  # imported as bench.prefill_modes (python -m bench.bench_prefill, the tests)
     from . import common
+    from .model_work import kernel_model_flops
     from .prefill_profile import Profile, profile_steps, stage_sum_note
 else:  # bench_prefill.py run as a script: the script's folder is sys.path[0]
     import common
+    from model_work import kernel_model_flops
     from prefill_profile import Profile, profile_steps, stage_sum_note
 
 ROUNDING = {"on": True, "off": False, "exact": "exact"}  # --faithful_rounding -> minidi.compile(faithful_rounding=)
@@ -126,7 +128,8 @@ def run_mode(mode: str, wl, args, card: dict, out_dir: Path, held: dict | None =
             trace = out_dir / f"{tag}.trace.json.gz"
             with phase(f"profile ({args.profile_steps} steps)"):
                 prof = profile_steps(step, wl, args.profile_steps, device, trace, args.kernels, card["peaks"],
-                                     markers=not args.no_stage_markers)
+                                     markers=not args.no_stage_markers,
+                                     model_flops=kernel_model_flops(cfg, wl.new_tokens, wl.cached_tokens, wl.seqs))
     ms = sum(times) / len(times)
     tokens = wl.new_tokens * wl.seqs
     flops = step_flops(cfg, wl.new_tokens, wl.cached_tokens, wl.seqs)["total"]

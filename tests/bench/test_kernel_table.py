@@ -163,6 +163,42 @@ def test_cuda_kernels_take_the_work_of_the_op_that_launched_them_alone():
     assert sum(r["pct_step"] for r in t.rows) <= 100
 
 
+def test_model_flops_go_to_the_heaviest_kernel_of_their_term_without_counted_flops():
+    """An op's two kernels (k_a 5 us, k_b 5 us: the name breaks the tie) carry no FLOPs in the trace; the model's
+    count gives the term to the heaviest one present, marked; a term whose kernels are absent, or a row that has its
+    own FLOPs, is left alone."""
+    trace = _cuda_trace()
+    trace["traceEvents"] += [_launch(8, 600), _kernel(8, "k_a", 5)]  # k_a: 2 calls, 10 us
+    model = {"t1": (("k_b", "k_a", "k_absent"), 3e9), "t2": (("k_nowhere",), 1e9), "t3": ((GEMM,), 9e9)}
+    t = kernel_table(trace, top=10, peaks={"bf16_tflops": 1000.0, "copy_gbps": 4000.0}, model_flops=model)
+    rows = {r.get("full_name", r["name"]): r for r in t.rows}
+    ka = rows["k_a"]
+    assert (ka["flops_per_step"], ka["flops_from"]) == (3_000_000_000, "model: t1")
+    assert ka["tflops"] == pytest.approx(300.0) and ka["pct_peak"] == pytest.approx(30.0)  # 3 GFLOP in 10 us
+    assert "flops_per_step" not in rows["k_b"]
+    assert rows[GEMM]["flops_per_step"] == 4_000_000_000 and "flops_from" not in rows[GEMM]  # the trace's own
+    text = format_kernel_table(t.rows, t.summary(), {"bf16_tflops": 1000.0, "copy_gbps": 4000.0})
+    assert "3*" in text and "the model's FLOPs" in text
+
+
+def test_model_flops_of_the_v41_step_name_its_kernels():
+    from bench.model_work import kernel_model_flops
+    from minidi.model.presets import preset
+    from minidi.runtime.flops import step_flops
+
+    cfg = preset("v41-flash")
+    got = kernel_model_flops(cfg, 4096, 126976)
+    assert set(got) == {"moe.routed", "attn.core", "indexer.score (every visible key)",
+                        "indexer.score (candidate blocks)"}
+    assert "_fp8_fp4_grouped_mm_sm90" in got["moe.routed"][0] and "_candidate_score_kernel" in got[
+        "indexer.score (candidate blocks)"][0]
+    total = step_flops(cfg, 4096, 126976)
+    assert got["attn.core"][1] == total["sparse_attention_core"]
+    assert sum(f for _, f in got.values()) < total["total"]
+    scores = got["indexer.score (every visible key)"][1] + got["indexer.score (candidate blocks)"][1]
+    assert scores < total["indexer"]
+
+
 def test_rows_split_their_time_by_stage():
     """Each call goes to the category of the innermost stage range at its launch: a marker range, or the call of one
     of minidi's ops (its own stage wherever it was launched); launches outside every range are "other"."""
