@@ -118,7 +118,10 @@ def make_backend(manager: PassManager, inner: str | Callable = "inductor", *,
         t1 = time.perf_counter()
         times["passes"] += t1 - t0
         if precompile_kernels:
-            precompiler().submit_graph(gm)
+            try:
+                precompiler().submit_graph(gm)
+            except Exception as e:  # an optimisation only: the kernels then compile at their first launch
+                log.warning("minidi.compile: kernels not precompiled for this graph (%s: %s)", type(e).__name__, e)
             times["precompile"] = times.get("precompile", 0.0) + time.perf_counter() - t1
             t1 = time.perf_counter()
         try:

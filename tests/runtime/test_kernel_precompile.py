@@ -223,3 +223,23 @@ def test_gpu_a_kernel_compiled_by_the_pool_launches_without_a_jit_compile():
         compiles.stop()
     assert compiles.compiles == 0, compiles.record()
     assert torch.equal(out, topk_indices_ref(scores, k))
+
+
+def test_a_failing_precompile_never_fails_the_compile(monkeypatch, caplog):
+    from minidi.passes import PassManager
+    from minidi.runtime import kernel_precompile
+    from minidi.runtime.compile import make_backend
+
+    def broken(gm):
+        raise RuntimeError("no pool today")
+
+    monkeypatch.setattr(kernel_precompile.precompiler(), "submit_graph", broken)
+    backend = make_backend(PassManager(None), "eager")
+    torch._dynamo.reset()
+    x = torch.randn(5)
+    with caplog.at_level("WARNING", logger="minidi.compile"):
+        out = torch.compile(lambda t: t * 2 + 1, backend=backend)(x)
+    torch._dynamo.reset()
+    assert torch.equal(out, x * 2 + 1)
+    assert "kernels not precompiled for this graph (RuntimeError: no pool today)" in caplog.text
+    assert backend.times["precompile"] >= 0.0
