@@ -7,7 +7,9 @@ give its inputs' shapes, dtypes and alignment. So, right after the passes rewrit
 Inductor, tens of seconds on the same thread), ``KernelPrecompiler.submit_graph`` runs each minidi op of the graph
 on fake tensors of those shapes with its real implementation, under a mode in which a Triton launch does not launch:
 it hands the kernel's specialisation to a thread pool and returns. The workers compile while the main thread goes
-on (Triton's compiler passes and ``ptxas`` run without the GIL); the first run then finds the kernels compiled.
+on (Triton's MLIR passes and ``ptxas`` run without the GIL; its Python front end competes with the main thread);
+the first run then finds the kernels compiled. H200, V4.1 EP4: first run 10.9 s against 33.1 s, cold first step
+106.1 s against 138.5 s in the same call (``docs/benchmarks/README.md``, round 15).
 
 - **Same launch code**: the launch plan (grid, constexprs, specialisation) is the op's own Python, run on fake
   tensors; nothing is written twice, so the two cannot diverge. A specialisation it does not foresee (an alignment
