@@ -85,12 +85,12 @@ def _fresh_fake(v: Any, mode: Any) -> Any:
     return _hint(v)
 
 
-def _is_minidi_call(node: Any) -> bool:
+def _is_minidi_call(node: Any, namespaces: tuple[str, ...] = ("minidi",)) -> bool:
     if node.op != "call_function":
         return False
     module = str(getattr(node.target, "__module__", ""))
     # an OpOverload / OpOverloadPacket of minidi's library, or an op wrapper (minidi.ops.*) the passes inserted
-    return module == "torch._ops.minidi" or module.startswith("minidi.")
+    return module in {f"torch._ops.{ns}" for ns in namespaces} or module.startswith("minidi.")
 
 
 def _real_impl(func: Any, args: tuple, kwargs: dict) -> Callable | None:
@@ -113,14 +113,15 @@ class _RealImpls(TorchDispatchMode):
     so that the caller goes on. An implementation that stops (a host sync on a fake tensor, a shape it rejects) is
     counted in ``stopped``; its op still returns."""
 
-    def __init__(self) -> None:
+    def __init__(self, namespaces: tuple[str, ...]) -> None:
         super().__init__()
+        self.namespaces = namespaces
         self.ran: list[str] = []
         self.stopped: dict[str, str] = {}
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        if getattr(func, "namespace", None) == "minidi":
+        if getattr(func, "namespace", None) in self.namespaces:
             impl = _real_impl(func, args, kwargs)
             if impl is not None:
                 name = str(func)
@@ -135,10 +136,12 @@ class _RealImpls(TorchDispatchMode):
 class KernelPrecompiler:
     """Submits the Triton kernels of a graph's minidi ops to a thread pool (``submit_graph``); launches wait for
     theirs. Counters: ``submitted`` kernel specialisations, ``ops_run`` op calls run on fake tensors, ``stopped``
-    (op -> why it stopped early), ``failed`` pool compiles, ``wait_s`` seconds launches waited for pool tasks."""
+    (op -> why it stopped early), ``failed`` pool compiles, ``wait_s`` seconds launches waited for pool tasks.
+    ``namespaces``: the op libraries whose calls run (minidi's; tests add their own)."""
 
-    def __init__(self, workers: int | None = None) -> None:
+    def __init__(self, workers: int | None = None, namespaces: tuple[str, ...] = ("minidi",)) -> None:
         self.workers = workers or min(MAX_WORKERS, os.cpu_count() or 1)
+        self.namespaces = namespaces
         self._pool: ThreadPoolExecutor | None = None
         self._pending: dict[tuple[int, Any], Future] = {}
         self._lock = threading.Lock()
@@ -156,7 +159,7 @@ class KernelPrecompiler:
         submitted."""
         if not _compiling_available():
             return 0
-        nodes = [n for n in gm.graph.nodes if _is_minidi_call(n)]
+        nodes = [n for n in gm.graph.nodes if _is_minidi_call(n, self.namespaces)]
         if not any(_on_cuda(n) for n in nodes):
             return 0
         self._install()
@@ -179,7 +182,7 @@ class KernelPrecompiler:
                 except (_NoHint, _NoExample) as e:
                     self.stopped[_name(node)] = f"{type(e).__name__}: {e}"
                     continue
-                impls = _RealImpls()
+                impls = _RealImpls(self.namespaces)
                 try:
                     with mode, impls:
                         node.target(*args, **kwargs)

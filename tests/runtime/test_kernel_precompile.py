@@ -19,9 +19,10 @@ from torch._subclasses.fake_tensor import FakeTensor
 from minidi.runtime.kernel_precompile import KernelPrecompiler, _fresh_fake, _is_minidi_call
 
 SEEN: list[tuple] = []
+TEST_NS = ("minidi", "minidi_test")  # these tests' ops live apart from minidi's library (whose ops all have a stage)
 
 
-@torch.library.custom_op("minidi::_test_precompile_probe", mutates_args=())
+@torch.library.custom_op("minidi_test::precompile_probe", mutates_args=())
 def _probe(x: torch.Tensor, n: int) -> torch.Tensor:
     SEEN.append((isinstance(x, FakeTensor), tuple(x.shape), x.stride(), x.storage_offset(), x.dtype, n))
     return x.sum(0) * n
@@ -32,7 +33,7 @@ def _(x, n):
     return x.new_empty(x.shape[1:])
 
 
-@torch.library.custom_op("minidi::_test_precompile_needs_data", mutates_args=())
+@torch.library.custom_op("minidi_test::precompile_needs_data", mutates_args=())
 def _needs_data(x: torch.Tensor) -> torch.Tensor:
     if x.max().item() > 0:  # a host sync: a fake tensor has no data
         return x.clone()
@@ -69,25 +70,26 @@ def _capture(fn, *args):
 
 def test_the_walk_runs_real_implementations_on_concrete_fake_tensors_and_adds_no_guard():
     def step(x, y):
-        a = torch.ops.minidi._test_precompile_probe(x[1:, 2:], x.shape[0])
-        b = torch.ops.minidi._test_precompile_needs_data(y)
+        a = torch.ops.minidi_test.precompile_probe(x[1:, 2:], x.shape[0])
+        b = torch.ops.minidi_test.precompile_needs_data(y)
         return a + 1, b
 
     x, y = torch.randn(7, 9), torch.randn(5)
     gm, fake_mode = _capture(step, x, y)
     shape_env = fake_mode.shape_env
     guards = len(shape_env.guards)
-    nodes = [n for n in gm.graph.nodes if _is_minidi_call(n)]
-    assert len(nodes) == 2 and not any(_is_minidi_call(n) for n in gm.graph.nodes if n.op == "placeholder")
+    nodes = [n for n in gm.graph.nodes if _is_minidi_call(n, TEST_NS)]
+    assert len(nodes) == 2 and not any(_is_minidi_call(n, TEST_NS) for n in gm.graph.nodes if n.op == "placeholder")
+    assert not any(_is_minidi_call(n) for n in nodes)  # minidi's own library only, by default
     SEEN.clear()
-    pc = KernelPrecompiler(workers=1)
+    pc = KernelPrecompiler(workers=1, namespaces=TEST_NS)
     pc.run_calls(nodes)
     # the slice's view is kept: sizes from the hints, strides and the storage offset of x[1:, 2:]
     assert SEEN == [(True, (6, 7), (9, 1), 11, torch.float32, 7)]
     assert pc.ops_run == 2
-    assert list(pc.stopped) == ["minidi._test_precompile_needs_data.default"]
-    assert "DataDependent" in pc.stopped["minidi._test_precompile_needs_data.default"] or \
-        "item" in pc.stopped["minidi._test_precompile_needs_data.default"].lower()
+    assert list(pc.stopped) == ["minidi_test.precompile_needs_data.default"]
+    assert "DataDependent" in pc.stopped["minidi_test.precompile_needs_data.default"] or \
+        "item" in pc.stopped["minidi_test.precompile_needs_data.default"].lower()
     assert len(shape_env.guards) == guards  # hints read, never guarded on
     assert pc.submitted == 0  # no Triton launch in these ops
 
@@ -197,9 +199,9 @@ def test_deferring_makes_every_launch_of_this_thread_a_warmup_and_restores_run(m
 
 def test_no_submission_without_a_kernel_to_compile():
     """On the CPU (or under the interpreter) the walk does not run at all."""
-    gm, _ = _capture(lambda x: torch.ops.minidi._test_precompile_probe(x, 2), torch.randn(3, 4))
+    gm, _ = _capture(lambda x: torch.ops.minidi_test.precompile_probe(x, 2), torch.randn(3, 4))
     SEEN.clear()
-    assert KernelPrecompiler(workers=1).submit_graph(gm) == 0 and SEEN == []
+    assert KernelPrecompiler(workers=1, namespaces=TEST_NS).submit_graph(gm) == 0 and SEEN == []
 
 
 @pytest.mark.gpu
