@@ -17,6 +17,7 @@ from typing import Callable
 from minidi.model.config import ModelConfig
 from minidi.runtime.flops import flop_terms
 
+
 def _every_layer(cfg: ModelConfig, layer: int) -> bool:
     return True
 

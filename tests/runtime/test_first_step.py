@@ -70,3 +70,22 @@ def test_a_first_call_that_raises_leaves_no_listener_behind():
     with pytest.raises(Exception):
         step(torch.ones(2, 3))
     assert knobs.compilation.listener is before
+
+
+def test_dynamo_trace_is_dynamo_less_the_passes_the_precompile_and_the_backend(monkeypatch):
+    """Dynamo's phase holds the whole backend call (passes, the kernels' fake runs, AOT + Inductor): what is left
+    is its tracing; the fake runs' seconds are their own field."""
+    from minidi.runtime import first_step
+    from minidi.runtime.first_step import FirstStep
+
+    clock = {"_compile.compile_inner": 0.0}
+    monkeypatch.setattr(first_step, "_torch_compile_seconds", lambda: dict(clock))
+    backend = types.SimpleNamespace(times={"passes": 0.0, "precompile": 0.0, "backend": 0.0})
+    first = FirstStep(backend, None)
+    first.start()
+    backend.times.update(passes=1.0, precompile=2.0, backend=3.0)
+    clock["_compile.compile_inner"] = 10.0
+    out = first.finish(lambda: None)
+    assert (out["passes"], out["kernel_precompile"], out["backend"], out["dynamo"]) == (1.0, 2.0, 3.0, 10.0)
+    assert out["dynamo_trace"] == 4.0
+    assert first.precompile == {"submitted": 0, "ops_run": 0, "failed": 0, "wait_s": 0.0, "stopped": {}}
