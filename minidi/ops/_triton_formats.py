@@ -1,9 +1,9 @@
 """Triton twins of ``minidi.formats`` (a kernel cannot call torch), shared by the ops that quantise or decode:
 ``moe_activation.py`` (fq8 in the epilogue, or its e4m3 bytes and scales), ``fp8_quant.py`` (fq8_split),
-``indexer_fp8_quant.py`` (e4m3 bytes in the interpreter), ``fp4_grouped_gemm.py`` and
-``fp8_grouped_gemm.py`` (E8M0 weight scales). The op tests hold each equal to its torch original
-(test_moe_activation.py::test_pow2_ceil_twin and its e4m3 grid test, test_fp4_grouped_gemm.py::
-test_decode_matches_formats, test_fp8_quant.py)."""
+``indexer_fp8_quant.py`` (e4m3 bytes in the interpreter), ``fp8_linear.py`` (fq8 in x's dtype, e4m3 weight bytes
+decoded), ``fp4_grouped_gemm.py`` and ``fp8_grouped_gemm.py`` (E8M0 weight scales). The op tests hold each equal
+to its torch original (test_moe_activation.py::test_pow2_ceil_twin and its e4m3 grid test, test_fp4_grouped_gemm.py::
+test_decode_matches_formats, test_fp8_quant.py, test_fp8_linear.py: every e4m3 byte)."""
 
 from __future__ import annotations
 
@@ -43,6 +43,18 @@ def e4m3_bits(v):
     normal = ((re + 7) << 3) | ((rb >> 20) & 7)
     sub = (r * 512.0).to(tl.int32)  # multiples of 2^-9 below 2^-6: codes 0..7
     return tl.where(re >= -6, normal, sub) | (((v.to(tl.int32, bitcast=True) >> 31) & 1) << 7)
+
+
+@triton.jit
+def e4m3_byte_to_fp32(b):
+    """e4m3 bytes (any int dtype) -> their fp32 values, exact, from the bits (the interpreter has no fp8 loads):
+    exponent 0 -> a subnormal m * 2^-9, 0x7F / 0xFF -> NaN, the sign of 0x80 kept (-0)."""
+    b = b.to(tl.int32) & 0xFF
+    e = (b >> 3) & 0xF
+    m = b & 7
+    mag = tl.where(e == 0, (m.to(tl.float32) * 0.001953125).to(tl.int32, bitcast=True), ((e + 120) << 23) | (m << 20))
+    mag = tl.where((b & 0x7F) == 0x7F, 0x7FC00000, mag)
+    return (mag | ((b >> 7) << 31)).to(tl.float32, bitcast=True)
 
 
 @triton.jit

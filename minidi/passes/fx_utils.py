@@ -33,6 +33,7 @@ _FUNCTION_NAMES: dict[Any, str] = {
     torch.sum: "sum", torch.amax: "amax", torch.repeat_interleave: "repeat_interleave", torch.flatten: "flatten",
     torch.sym_min: "sym_min", torch.tensor: "tensor", torch._refs.tensor: "tensor", operator.ne: "ne",
     torch.nn.functional.silu: "silu", torch.nn.functional.pad: "pad", torch._C._nn.pad: "pad",
+    torch.nn.functional.linear: "linear", torch._C._nn.linear: "linear",
 }
 if hasattr(torch, "_grouped_mm"):
     _FUNCTION_NAMES[torch._grouped_mm] = "_grouped_mm"

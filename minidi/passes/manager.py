@@ -11,12 +11,13 @@ see ``docs/passes.md``.
 
 Pass order (each pass sees the graph the previous one left): C moe_combine, E gate_tf32x3, D fp4_grouped_mm, A
 sparse_attention, B indexer_topk, F hc_mix, J hc_mix_fused, K hc_sinkhorn, G hc_expand, H moe_activation, I
-moe_row_gather, L fp8_experts, M indexer_candidates. The passes touch disjoint subgraphs (B's top-k output feeds A's
-``comp_idx``, and both read only the other's *result*); H and I read the GEMMs D leaves (either form), and J takes F's
-projection in either form (F's op or the naive GEMM), so apart from fp32 models (where H and I need D first) the order
-changes no match; it is fixed so that logs and graphs are stable. L rewrites D's and H's ops (and I's or the naive
-gather), so it comes after them and ``select`` refuses it without D and H; M rewrites B's op (a re-index layer's mask
-from candidate block ids -> candidate-only scoring) and needs B.
+moe_row_gather, L fp8_experts, M indexer_candidates, N fp8_linear. The passes touch disjoint subgraphs (B's top-k
+output feeds A's ``comp_idx``, and both read only the other's *result*); H and I read the GEMMs D leaves (either
+form), and J takes F's projection in either form (F's op or the naive GEMM), so apart from fp32 models (where H and
+I need D first) the order changes no match; it is fixed so that logs and graphs are stable. L rewrites D's and H's
+ops (and I's or the naive gather), so it comes after them and ``select`` refuses it without D and H; M rewrites B's
+op (a re-index layer's mask from candidate block ids -> candidate-only scoring) and needs B. N (each FP8 linear's
+fq8, weight dequant and GEMM -> one op) reads what the others leave of the linears' inputs.
 
     manager = PassManager("all", strict=True, expected=expected_sites(cfg))
     manager.run(gm)                   # rewrites gm in place
@@ -40,6 +41,7 @@ from torch.fx import Graph, GraphModule
 from .base import Rewrite, apply_match, site_of
 from .rewrite_fp4_experts import FP4GroupedMM
 from .rewrite_fp8_experts import FP8Experts
+from .rewrite_fp8_linear import FP8LinearOp
 from .rewrite_gate import GateTF32x3
 from .rewrite_hc_expand import HCExpand
 from .rewrite_hc_mix import HCMixTF32x3
@@ -61,7 +63,7 @@ log = logging.getLogger("minidi.passes")
 
 REWRITES: tuple[type[Rewrite], ...] = (MoECombine, GateTF32x3, FP4GroupedMM, SparseAttention, IndexerTopK,
                                         HCMixTF32x3, HCMixFused, HCSinkhorn, HCExpand, MoEActivation,
-                                        MoERowGather, FP8Experts, IndexerCandidates)
+                                        MoERowGather, FP8Experts, IndexerCandidates, FP8LinearOp)
 BY_KEY: dict[str, type[Rewrite]] = {r.key: r for r in REWRITES}
 BY_NAME: dict[str, type[Rewrite]] = {r.name: r for r in REWRITES}
 

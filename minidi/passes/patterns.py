@@ -9,7 +9,8 @@ the passes stay one row of peers (``fx_utils`` < ``patterns`` < ``rewrite_*`` < 
   ``fp4_grouped_mm`` (passes H and I, which run after D).
 - ``row_gather``: ``x[idx]``, the MoE dispatch gather (pass I, and pass L's naive form of it).
 - ``fq8_input``: the model's ``quant.fq8(x, block)`` as Dynamo records it (pass H's activation, pass L's expert
-  inputs).
+  inputs, pass N's linear inputs).
+- ``fp8_weight_dequant``: the model's ``quant.dequant_fp8(weight, scale, block, dtype)`` (pass N's weights).
 """
 
 from __future__ import annotations
@@ -17,11 +18,11 @@ from __future__ import annotations
 import torch
 from torch.fx import Node
 
-from minidi.formats import E4M3_MAX
+from minidi.formats import E4M3_MAX, E8M0_MIN_BITS, E8M0_NAN_BITS
 from minidi.ops.fp4_grouped_gemm import fp4_grouped_mm
 from minidi.ops.moe_gather import IDX_DTYPES, X_DTYPES
 
-from .fx_utils import arg, const_number, dims_equal, dtype, is_call, is_literal, n_args, rank
+from .fx_utils import arg, const_number, dims_equal, dtype, is_call, is_literal, n_args, rank, val
 
 _GEMM_IN = (torch.float32, torch.bfloat16)
 
@@ -144,3 +145,81 @@ def _pow2_ceil_chain(s: Node, g: Node) -> set[Node] | None:
             and arg(amax, 2, "keepdim", False) is True and is_call(amax.args[0], "abs") and amax.args[0].args[0] is g):
         return None
     return {s, shl, shl.args[0], e, e.args[0], carry, carry.args[0], mant, bits, div, div.args[0], amax, amax.args[0]}
+
+
+def fp8_weight_dequant(node: Node) -> tuple[Node, Node, int, set[Node]] | None:
+    """node = quant.dequant_fp8(weight, scale, block, dtype) as Dynamo records it -> (weight, scale, block, the
+    chain's nodes)::
+
+        (weight.float() * _expand_tiles(e8m0_to_float(scale), out, inp, block, block)).to(dtype)
+
+    weight a 2-D float8_e4m3fn tensor, scale its E8M0 tiles [ceil(out / block), ceil(inp / block)]."""
+    if not (is_call(node, "to") and len(node.args) == 2 and isinstance(node.args[1], torch.dtype)):
+        return None
+    prod = node.args[0]
+    if not (is_call(prod, "mul") and len(prod.args) == 2 and method_call(prod.args[0], "float")):
+        return None
+    wf, tiles = prod.args
+    weight = wf.args[0]
+    if rank(weight) != 2 or dtype(weight) != torch.float8_e4m3fn:
+        return None
+    found = _expanded_tiles(tiles, tuple(val(weight).shape))
+    if found is None:
+        return None
+    s, block, expand = found
+    decode = _e8m0_decode_chain(s)
+    if decode is None:
+        return None
+    scale, chain = decode
+    n, k = val(weight).shape
+    if tuple(val(scale).shape) != (-(-n // block), -(-k // block)):
+        return None
+    nodes = {node, prod, wf} | expand | chain
+    if not all(only_users(m, nodes) for m in nodes - {node}):
+        return None
+    return weight, scale, block, nodes
+
+
+def _expanded_tiles(node: Node, shape: tuple[int, int]) -> tuple[Node, int, set[Node]] | None:
+    """node = quant._expand_tiles(s, out, inp, block, block) with block > 1 for a weight of ``shape`` -> (s, block,
+    nodes): ``s.repeat_interleave(block, dim=0)[:out].repeat_interleave(block, dim=1)[:, :inp]``."""
+    out, inp = shape
+    cols = node
+    if not (is_call(cols, "getitem") and isinstance(cols.args[1], tuple) and len(cols.args[1]) == 2
+            and cols.args[1][0] == slice(None) and cols.args[1][1] == slice(None, inp)):
+        return None
+    rep1 = cols.args[0]
+    rows = rep1.args[0] if is_call(rep1, "repeat_interleave") else None
+    if not (is_call(rows, "getitem") and rows.args[1] == slice(None, out)):
+        return None
+    rep0 = rows.args[0]
+    if not is_call(rep0, "repeat_interleave"):
+        return None
+    block = arg(rep0, 1, "repeats", None)
+    if not (isinstance(block, int) and block > 1 and arg(rep1, 1, "repeats", None) == block
+            and dims_equal(arg(rep0, 2, "dim", None), 0) and dims_equal(arg(rep1, 2, "dim", None), 1)):
+        return None
+    return rep0.args[0], block, {cols, rep1, rows, rep0}
+
+
+def _e8m0_decode_chain(s: Node) -> tuple[Node, set[Node]] | None:
+    """s = formats.e8m0_to_float(scale) -> (scale, nodes)::
+
+        b = scale.view(uint8).to(int32)
+        bits = where(b == 255, full_like(b, NAN_BITS), where(b == 0, full_like(b, MIN_BITS), b << 23))
+        s = bits.view(float32)"""
+    if not (method_call(s, "view", torch.float32) and is_call(s.args[0], "where")):
+        return None
+    outer = s.args[0]
+    is_nan, nan_bits, inner = outer.args
+    if not is_call(inner, "where"):
+        return None
+    is_zero, min_bits, shifted = inner.args
+    b = shifted.args[0] if is_call(shifted, "lshift") and is_literal(shifted.args[1], 23) else None
+    if not (method_call(b, "to", torch.int32) and method_call(b.args[0], "view", torch.uint8)):
+        return None
+    for test, fill, code, bits in ((is_nan, nan_bits, 255, E8M0_NAN_BITS), (is_zero, min_bits, 0, E8M0_MIN_BITS)):
+        if not (is_call(test, "eq") and test.args[0] is b and is_literal(test.args[1], code)
+                and is_call(fill, "full_like") and fill.args[0] is b and is_literal(fill.args[1], bits)):
+            return None
+    return b.args[0].args[0], {s, outer, is_nan, nan_bits, inner, is_zero, min_bits, shifted, b, b.args[0]}

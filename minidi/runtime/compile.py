@@ -67,7 +67,9 @@ def expected_sites(cfg: ModelConfig, regional: bool = False) -> dict[str, list[i
     G: every layer twice (the stream update after attention and after the MoE); H and I: every layer (the MoE's
     expert activation and its dispatch gather; in fp32 models only after D); L: every layer twice with fake quant (the
 up and down expert GEMMs on FP8), none without; M: every V4.1 re-index layer (its indexer scores only the candidate
-    source's blocks). Only the selected passes are checked."""
+    source's blocks); N: every FP8 linear (per layer the attention's wq_a, wq_b, wkv, wo_b and the shared expert's
+    w1, w3, w2; an index-source layer's indexer wq_b; an Engram layer's wkv, except with ``regional``: the Engram
+    front graph has its own check). Only the selected passes are checked."""
     layers = list(range(cfg.n_layers))
     head: list[int | None] = [] if (cfg.is_v41 or regional) else [None]
     return {
@@ -84,7 +86,18 @@ up and down expert GEMMs on FP8), none without; M: every V4.1 re-index layer (it
         "I": layers,
         "L": [i for i in layers for _ in range(FP8_EXPERT_SITES)] if fp8_experts_apply(cfg) else [],
         "M": [i for i in layers if cfg.is_candidate_filtered(i)],
+        "N": [i for i in layers for _ in range(fp8_linears(cfg, i, regional))],
     }
+
+
+FRONT_PASSES = ("N",)  # the passes with a site in a regional step's Engram front graph (its wkv)
+
+
+def fp8_linears(cfg: ModelConfig, layer: int, regional: bool = False) -> int:
+    """FP8 linears of a layer (pass N's sites): 4 in attention, 3 in the shared expert, the indexer's wq_b where the
+    layer is an index source, the Engram's wkv where it has one (not with ``regional``: the Engram front compiles
+    apart, with its own check: one site per front graph)."""
+    return 4 + 3 + int(cfg.is_index_source(layer)) + int(layer in cfg.engram_layers and not regional)
 
 
 def fp8_experts_apply(cfg: ModelConfig) -> bool:
@@ -283,9 +296,12 @@ def compile(  # noqa: A001 (minidi.compile mirrors torch.compile)
         cache.load()
     first = FirstStep(inner, cache)
     if regional:
-        fronts = make_backend(PassManager(None, op_backend=op_backend), backend, faithful_rounding=faithful_rounding,
+        front_keys = [k for k in manager.keys if k in FRONT_PASSES]  # an Engram front's one site: its wkv (N)
+        front_manager = PassManager(front_keys, strict=strict, expected={k: [None] for k in front_keys},
+                                    op_backend=op_backend, keep_graphs=keep_graphs)
+        fronts = make_backend(front_manager, backend, faithful_rounding=faithful_rounding,
                               precompile_kernels=precompile_kernels, times=inner.times,  # type: ignore[attr-defined]
-                              **codegen)  # Engram fronts: no pass sites
+                              **codegen)
         precompiled = _precompiled_calls(cache, dynamic, fullgraph)
         step = RegionalStep(owner, manager, inner, dynamic=dynamic, progress=report, first=first,
                             front_backend=fronts, precompiled=precompiled, fullgraph=fullgraph, **compile_kwargs)

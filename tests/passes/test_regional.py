@@ -84,12 +84,12 @@ def test_history_holds_one_entry_per_compiled_graph(regional):
 
 
 def test_counts_sum_over_layers(regional):
-    want = {k: len(v) for k, v in expected_sites(regional.cfg).items()}
+    want = {k: len(v) for k, v in expected_sites(regional.cfg, regional=True).items()}
     assert regional.step.counts == want == {"A": 10, "B": 4, "C": 10, "D": 30, "E": 10, "F": 20, "J": 20,
                                                     "K": 20, "G": 20, "H": 10, "I": 10, "L": 0,
-                                                    "M": 1}
+                                                    "M": 1, "N": 74}  # N: the 2 Engram wkv in the fronts
     for i, counts in regional.manager.layer_counts.items():  # each graph: the sites of its own layer
-        assert counts == {k: v.count(i) for k, v in expected_sites(regional.cfg).items()}, i
+        assert counts == {k: v.count(i) for k, v in expected_sites(regional.cfg, regional=True).items()}, i
 
 
 def test_logits_equal_uncompiled(regional):
@@ -118,7 +118,8 @@ def test_naive_code_gone_from_a_layer_graph(regional):
                                  + ["fp4_grouped_mm"] * 3
                                  + ["hc_mix_fused", "hc_sinkhorn"] * 2  # the two mixers (F's projection in J; K)
                                  + ["hc_expand"] * 2  # and the two stream updates (G)
-                                 + ["moe_activation", "gather_rows"])  # the MoE's activation (H) and gather (I)
+                                 + ["moe_activation", "gather_rows"]  # the MoE's activation (H) and gather (I)
+                                 + ["fp8_linear"] * 8)  # wq_a, wq_b, wkv, wo_b, the indexer's wq_b, shared w1 w3 w2
 
 
 def test_strict_failure_names_pass_and_layer(regional, monkeypatch):

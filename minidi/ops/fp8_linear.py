@@ -1,0 +1,185 @@
+"""N: an FP8 linear as one op: the model's ``FP8Linear.forward`` (fq8 of the input, the block-dequantised weight,
+the GEMM) behind one graph node, with the same result bit for bit.
+
+    y = fp8_linear(x, weight, scale, weight_block, act_block)
+    # = F.linear(fq8(x, act_block), dequant_fp8(weight, scale, weight_block, x.dtype))   (act_block 0: x as it is)
+
+Why an op and not Inductor's code: inlined, the two helper chains are about half of a layer graph's nodes (a tiny
+V4.1 layer: ~370 of ~750 Dynamo nodes over its 8 FP8 linears), and every one of them is traced, functionalised,
+partitioned and lowered again for each layer kind at start-up (issue 20). As one node they cost one fake call. The
+op is also where the FP8 tensor-core GEMM goes (issue 21) once one beats the bf16 GEMM at these shapes.
+
+Kernels (Triton; the interpreter runs them on CPU tensors), both memory-bound:
+- ``_fq8_kernel``: one program per ``BLOCKS`` blocks of ``act_block`` consecutive elements of the row-major input;
+  amax per block, the scale from its bits (``pow2_ceil``), the quotient by 1 / scale (a power of two: exact), the
+  e4m3 rounding in fp32 (``round_e4m3``: exact, ties to even), times the scale, one rounding to x's dtype (exact:
+  an e4m3 value times a power of two fits bf16). So the output is ``fq8(x)`` bit for bit on finite blocks; a block
+  holding a NaN or an infinity comes out all NaN (eager fq8 gives NaN or a signed zero per element there).
+- ``_dequant_kernel``: one program per [BN, BK] tile of the weight; each e4m3 byte decoded from its bits
+  (``e4m3_byte_to_fp32``), times its tile's E8M0 scale (``e8m0_to_fp32``: code 0 -> 2^-127, 255 -> NaN), one
+  rounding to x's dtype: ``dequant_fp8`` bit for bit.
+Then ``F.linear`` on the two results, the call the model makes (the same GEMM library call, so the same bits).
+
+Backends: "auto" (the kernels where they can run, else the reference), "triton", "ref" (``fp8_linear_ref``, plain
+torch from ``minidi.formats``, itself behind an opaque op so that a CPU graph holds one node too).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from minidi.formats import E4M3_MAX, FQ8_AMAX_FLOOR, e8m0_to_float, fq8_split
+
+from ._triton_formats import e4m3_byte_to_fp32, e8m0_to_fp32, pow2_ceil, round_e4m3
+from ._triton_utils import cannot_run, resolve_backend, triton_can_run
+
+X_DTYPES = (torch.bfloat16, torch.float32)  # the model's dtypes
+ACT_BLOCKS = (0, 32, 128)  # 0: the input is not fake-quantised (a model without fake quant)
+WEIGHT_BLOCKS = (32, 128)
+SCALE_DTYPES = (torch.uint8, torch.float8_e8m0fnu)
+_E4M3_MAX = tl.constexpr(E4M3_MAX)
+_AMAX_FLOOR = tl.constexpr(FQ8_AMAX_FLOOR)
+
+
+# ---- reference -----------------------------------------------------------------------------------------------------
+def dequant_fp8_ref(weight: torch.Tensor, scale: torch.Tensor, block: int, dtype: torch.dtype) -> torch.Tensor:
+    """e4m3 [N, K] x E8M0 [ceil(N/block), ceil(K/block)] -> ``dtype`` [N, K]: the model's ``quant.dequant_fp8``."""
+    n, k = weight.shape
+    s = e8m0_to_float(scale).repeat_interleave(block, 0)[:n].repeat_interleave(block, 1)[:, :k]
+    return (weight.float() * s).to(dtype)
+
+
+def fq8_ref(x: torch.Tensor, block: int) -> torch.Tensor:
+    """The model's ``quant.fq8(x, block)``: q * s of ``minidi.formats.fq8_split``, in x's dtype."""
+    q, s = fq8_split(x, block)
+    return (q.float().unflatten(-1, (-1, block)) * s.unsqueeze(-1)).flatten(-2).to(x.dtype)
+
+
+def fp8_linear_ref(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, weight_block: int,
+                   act_block: int) -> torch.Tensor:
+    """Plain torch: ``F.linear(fq8(x), dequant_fp8(weight, scale))`` (act_block 0: no fq8)."""
+    xq = fq8_ref(x, act_block) if act_block else x
+    return F.linear(xq, dequant_fp8_ref(weight, scale, weight_block, x.dtype))
+
+
+# ---- kernels -------------------------------------------------------------------------------------------------------
+@triton.jit
+def _fq8_kernel(x_ptr, y_ptr, n_blocks, BLOCK: tl.constexpr, BLOCKS: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64) * BLOCKS + tl.arange(0, BLOCKS)  # [BLOCKS] block ids
+    ok = b < n_blocks
+    offs = b[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+    x = tl.load(x_ptr + offs, mask=ok[:, None], other=0.0).to(tl.float32)  # [BLOCKS, BLOCK]
+    a = tl.abs(x)
+    bad = tl.max(((a != a) | (a == float("inf"))).to(tl.int32), 1) > 0  # a NaN or an infinity: poisoned block
+    amax = tl.maximum(tl.max(tl.where(a == a, a, 0.0), 1), _AMAX_FLOOR)
+    s = pow2_ceil(tl.div_rn(amax, _E4M3_MAX))  # [BLOCKS]
+    inv = ((254 - ((s.to(tl.int32, bitcast=True) >> 23) & 0xFF)) << 23).to(tl.float32, bitcast=True)  # 1 / s
+    q = round_e4m3(tl.minimum(tl.maximum(x * inv[:, None], -_E4M3_MAX), _E4M3_MAX))
+    y = tl.where(bad[:, None], float("nan"), q * s[:, None])
+    tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=ok[:, None])
+
+
+@triton.jit
+def _dequant_kernel(w_ptr, s_ptr, out_ptr, N, K, stride_s, TILE: tl.constexpr, BN: tl.constexpr,
+                    BK: tl.constexpr):
+    rows = tl.program_id(0) * BN + tl.arange(0, BN)
+    cols = tl.program_id(1) * BK + tl.arange(0, BK)
+    m = (rows < N)[:, None] & (cols < K)[None, :]
+    offs = rows.to(tl.int64)[:, None] * K + cols[None, :]
+    w = e4m3_byte_to_fp32(tl.load(w_ptr + offs, mask=m, other=0))
+    code = tl.load(s_ptr + (rows // TILE)[:, None] * stride_s + (cols // TILE)[None, :], mask=m, other=127)
+    tl.store(out_ptr + offs, (w * e8m0_to_fp32(code)).to(out_ptr.dtype.element_ty), mask=m)
+
+
+def fq8_launch(x: torch.Tensor, block: int) -> torch.Tensor:
+    """fq8 of a contiguous x (last dim a multiple of ``block``) by ``_fq8_kernel``."""
+    y = torch.empty_like(x)
+    n_blocks = x.numel() // block
+    if n_blocks:
+        blocks = 32 if block == 32 else 8
+        _fq8_kernel[(triton.cdiv(n_blocks, blocks),)](x, y, n_blocks, BLOCK=block, BLOCKS=blocks, num_warps=4)
+    return y
+
+
+def dequant_launch(weight: torch.Tensor, scale: torch.Tensor, block: int, dtype: torch.dtype) -> torch.Tensor:
+    """The block-dequantised weight by ``_dequant_kernel`` (weight contiguous e4m3, scale uint8 codes)."""
+    n, k = weight.shape
+    out = torch.empty(n, k, dtype=dtype, device=weight.device)
+    if n and k:
+        bn, bk = (32, 256) if weight.is_cuda else (32, 64)
+        _dequant_kernel[(triton.cdiv(n, bn), triton.cdiv(k, bk))](
+            weight.view(torch.uint8), scale, out, n, k, scale.stride(0), TILE=block, BN=bn, BK=bk, num_warps=4)
+    return out
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, weight_block: int, act_block: int) -> None:
+    def fail(what: str) -> None:
+        raise ValueError(f"fp8_linear: {what}")
+
+    if x.dim() < 1 or x.dtype not in X_DTYPES:
+        fail(f"x must be [..., K] with dtype in {X_DTYPES}, got {tuple(x.shape)} {x.dtype}")
+    if weight.dim() != 2 or weight.dtype != torch.float8_e4m3fn:
+        fail(f"weight must be [N, K] float8_e4m3fn, got {tuple(weight.shape)} {weight.dtype}")
+    if weight_block not in WEIGHT_BLOCKS:
+        fail(f"weight_block must be one of {WEIGHT_BLOCKS}, got {weight_block}")
+    if act_block not in ACT_BLOCKS:
+        fail(f"act_block must be one of {ACT_BLOCKS} (0: no fq8 of the input), got {act_block}")
+    n, k = weight.shape
+    if x.shape[-1] != k:
+        fail(f"x's last dim {x.shape[-1]} is not the weight's K {k} (weight {tuple(weight.shape)})")
+    if act_block and k % act_block:
+        fail(f"K {k} is not a multiple of act_block {act_block} (fq8 blocks along K)")
+    tiles = (-(-n // weight_block), -(-k // weight_block))
+    if scale.dtype not in SCALE_DTYPES or tuple(scale.shape) != tiles:
+        fail(f"scale must be E8M0 codes (uint8 / float8_e8m0fnu) of shape {tiles} (ceil of {tuple(weight.shape)} / "
+             f"{weight_block}), got {tuple(scale.shape)} {scale.dtype}")
+    devs = {t.device for t in (x, weight, scale)}
+    if len(devs) != 1:
+        fail(f"x, weight and scale must be on one device, got {sorted(map(str, devs))}")
+
+
+def _out_fake(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+# ---- custom ops ----------------------------------------------------------------------------------------------------
+@torch.library.custom_op("minidi::fp8_linear", mutates_args=())
+def _fp8_linear_op(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, weight_block: int,
+                   act_block: int) -> torch.Tensor:
+    if not triton_can_run(x, weight, scale):
+        raise cannot_run("minidi::fp8_linear", x, weight, scale)
+    x = x.contiguous()
+    xq = fq8_launch(x, act_block) if act_block else x
+    return F.linear(xq, dequant_launch(weight.contiguous(), scale.contiguous(), weight_block, x.dtype))
+
+
+@_fp8_linear_op.register_fake
+def _(x, weight, scale, weight_block, act_block):
+    return _out_fake(x, weight)
+
+
+@torch.library.custom_op("minidi::fp8_linear_ref", mutates_args=())
+def _fp8_linear_ref_op(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, weight_block: int,
+                       act_block: int) -> torch.Tensor:
+    return fp8_linear_ref(x, weight, scale, weight_block, act_block)
+
+
+@_fp8_linear_ref_op.register_fake
+def _(x, weight, scale, weight_block, act_block):
+    return _out_fake(x, weight)
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, weight_block: int, act_block: int,
+               backend: str = "auto") -> torch.Tensor:
+    """x [..., K] bf16 | fp32; weight [N, K] float8_e4m3fn; scale [ceil(N / weight_block), ceil(K /
+    weight_block)] E8M0 codes (uint8 or float8_e8m0fnu); act_block 32 | 128 (fq8 of x along K) or 0 (x as it is).
+    -> [..., N] in x's dtype, equal bit for bit to ``F.linear(fq8(x, act_block), dequant_fp8(weight, scale,
+    weight_block, x.dtype))`` on finite inputs (see the module doc). ``backend``: "auto" | "triton" | "ref"."""
+    _check(x, weight, scale, weight_block, act_block)
+    scale = scale.view(torch.uint8)
+    if resolve_backend(backend, "fp8_linear", x, weight, scale) == "ref":
+        return _fp8_linear_ref_op(x, weight, scale, weight_block, act_block)
+    return _fp8_linear_op(x, weight, scale, weight_block, act_block)
