@@ -6,7 +6,9 @@ T = 4,096 token rows, bf16. Per shape, timed in one run:
 - pass N's op (its fq8 and dequant kernels, then the same GEMM call);
 - the GEMM alone on operands prepared outside the timing (fq8'd input, dequantised weight): what either path costs
   beyond the GEMM is its time minus this row.
-TFLOP/s = 2 T N K / time (of the GEMM the linear is). ``bitwise`` says whether the op's output equals the compiled
+TFLOP/s = 2 T N K / time (of the GEMM the linear is); ``ms`` is a call's wall time (its host launch overhead
+included: the op's Python wrapper and two Triton launches weigh at the small shapes), ``kernel_ms`` its kernels' GPU
+time (what a GPU-bound step pays). ``bitwise`` says whether the op's output equals the compiled
 model code's, bit for bit. Error = max|out - ref64| / max|ref64| (fp64 product of the quantised operands).
 Peaks (bf16 matmul, device copy) measured in the same run.
 
@@ -75,7 +77,8 @@ def main(argv: list[str] | None = None) -> dict:
                                ("op", "  pass N op (fp8_linear)", lambda: fp8_linear(x, w, s, 32, 32)),
                                ("gemm", "  the GEMM alone (operands prepared)", lambda: F.linear(xq, wd))):
             ms = common.op_ms(fn, device, args.smoke)
-            common.table_row(table, label, ms, flops, "TFLOP/s", pk, base_ms, rel_err=err(fn()))
+            common.table_row(table, label, ms, flops, "TFLOP/s", pk, base_ms, rel_err=err(fn()),
+                             kernel_ms=round(common.kernel_ms(fn, device), 4))
             base_ms[key] = ms
         cases.append({"name": name, "n": n, "k": k, "bitwise_op_equals_compiled_model": bitwise})
     common.print_table(f"N FP8 linears, T {t} bf16 (TFLOP/s of 2 T N K; vs the bf16 matmul peak)", table)

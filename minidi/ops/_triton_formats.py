@@ -29,7 +29,8 @@ def round_e4m3(y):
     e = tl.maximum(e, -6)
     c = ((e + 20 + 127) << 23).to(tl.float32, bitcast=True)
     q = (a + c) - c
-    return tl.where(y < 0, -q, q)
+    sign = (y.to(tl.int32, bitcast=True) >> 31) << 31  # y's sign bit (a negation 0 - q would turn -0 into +0)
+    return (q.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
 
 @triton.jit
