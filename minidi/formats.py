@@ -53,6 +53,23 @@ def pow2_ceil(y: torch.Tensor) -> torch.Tensor:
     return (exp << 23).view(torch.float32)
 
 
+# ---- FP8 block weights ---------------------------------------------------------------------------------------------
+def expand_tiles(scale: torch.Tensor, out: int, inp: int, bo: int, bi: int) -> torch.Tensor:
+    """Per-tile values [ceil(out/bo), ceil(inp/bi)] -> one per element [out, inp]."""
+    s = scale.repeat_interleave(bo, dim=0)[:out] if bo > 1 else scale[:out]
+    return s.repeat_interleave(bi, dim=1)[:, :inp] if bi > 1 else s[:, :inp]
+
+
+def dequant_fp8(weight: torch.Tensor, scale: torch.Tensor, block: int, dtype: torch.dtype) -> torch.Tensor:
+    """FP8 e4m3 [out, in] x E8M0 [ceil(out/block), ceil(in/block)] -> ``dtype`` [out, in].
+
+    Pass N (``minidi/passes/patterns.py``: ``fp8_weight_dequant``) recognises exactly this sequence of torch calls in
+    the traced model: change it and that matcher together."""
+    out, inp = weight.shape
+    s = expand_tiles(e8m0_to_float(scale), out, inp, block, block)
+    return (weight.float() * s).to(dtype)
+
+
 # ---- fq8 blocks ----------------------------------------------------------------------------------------------------
 FQ8_AMAX_FLOOR = 1e-4  # a block's amax is clamped to at least this before its scale is taken
 

@@ -19,23 +19,11 @@ import torch
 
 # The formats themselves (E8M0 / e2m1 decode, the grids, the e4m3 max) live in the leaf module minidi.formats, shared
 # with the ops' references; re-exported here for the model's modules.
-from minidi.formats import (E2M1_GRID, E2M1_MAX, E4M3_MAX, dequant_fp4, e2m1_grid, e8m0_to_float,  # noqa: F401
-                            float_to_e8m0, pow2_ceil, unpack_fp4_codes)
+from minidi.formats import (E2M1_GRID, E2M1_MAX, E4M3_MAX, dequant_fp4, dequant_fp8, e2m1_grid,  # noqa: F401
+                            e8m0_to_float, expand_tiles, float_to_e8m0, pow2_ceil, unpack_fp4_codes)
 
 
 # ---- FP8 block weights ---------------------------------------------------------------------------------------------
-def _expand_tiles(scale: torch.Tensor, out: int, inp: int, bo: int, bi: int) -> torch.Tensor:
-    s = scale.repeat_interleave(bo, dim=0)[:out] if bo > 1 else scale[:out]
-    return s.repeat_interleave(bi, dim=1)[:, :inp] if bi > 1 else s[:, :inp]
-
-
-def dequant_fp8(weight: torch.Tensor, scale: torch.Tensor, block: int, dtype: torch.dtype) -> torch.Tensor:
-    """FP8 e4m3 [out, in] x E8M0 [ceil(out/block), ceil(in/block)] -> ``dtype`` [out, in]."""
-    out, inp = weight.shape
-    s = _expand_tiles(e8m0_to_float(scale), out, inp, block, block)
-    return (weight.float() * s).to(dtype)
-
-
 def quantize_fp8(w: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 [out, in] -> (e4m3 [out, in], E8M0 [ceil(out/block), ceil(in/block)]), power-of-two scale per tile."""
     out, inp = w.shape
@@ -44,7 +32,7 @@ def quantize_fp8(w: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tenso
     tiles = wp.view((out + po) // block, block, (inp + pi) // block, block)
     amax = tiles.abs().amax(dim=(1, 3)).clamp_min(1e-30)
     s = pow2_ceil(amax / E4M3_MAX)
-    q = (w.float() / _expand_tiles(s, out, inp, block, block)).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    q = (w.float() / expand_tiles(s, out, inp, block, block)).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
     return q, float_to_e8m0(s)
 
 

@@ -21,7 +21,8 @@ Kernels (Triton; the interpreter runs them on CPU tensors), both memory-bound:
 Then ``F.linear`` on the two results, the call the model makes (the same GEMM library call, so the same bits).
 
 Backends: "auto" (the kernels where they can run, else the reference), "triton", "ref" (``fp8_linear_ref``, plain
-torch from ``minidi.formats``, itself behind an opaque op so that a CPU graph holds one node too).
+torch from ``minidi.formats``, whose ``dequant_fp8`` is the model's own; behind an opaque op so that a CPU graph
+holds one node too).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from minidi.formats import E4M3_MAX, FQ8_AMAX_FLOOR, e8m0_to_float, fq8_split
+from minidi.formats import E4M3_MAX, FQ8_AMAX_FLOOR, dequant_fp8, fq8_split
 
 from ._triton_formats import e4m3_byte_to_fp32, e8m0_to_fp32, pow2_ceil, round_e4m3
 from ._triton_utils import cannot_run, resolve_backend, triton_can_run
@@ -45,13 +46,6 @@ _AMAX_FLOOR = tl.constexpr(FQ8_AMAX_FLOOR)
 
 
 # ---- reference -----------------------------------------------------------------------------------------------------
-def dequant_fp8_ref(weight: torch.Tensor, scale: torch.Tensor, block: int, dtype: torch.dtype) -> torch.Tensor:
-    """e4m3 [N, K] x E8M0 [ceil(N/block), ceil(K/block)] -> ``dtype`` [N, K]: the model's ``quant.dequant_fp8``."""
-    n, k = weight.shape
-    s = e8m0_to_float(scale).repeat_interleave(block, 0)[:n].repeat_interleave(block, 1)[:, :k]
-    return (weight.float() * s).to(dtype)
-
-
 def fq8_ref(x: torch.Tensor, block: int) -> torch.Tensor:
     """The model's ``quant.fq8(x, block)``: q * s of ``minidi.formats.fq8_split``, in x's dtype."""
     q, s = fq8_split(x, block)
@@ -62,7 +56,7 @@ def fp8_linear_ref(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, w
                    act_block: int) -> torch.Tensor:
     """Plain torch: ``F.linear(fq8(x), dequant_fp8(weight, scale))`` (act_block 0: no fq8)."""
     xq = fq8_ref(x, act_block) if act_block else x
-    return F.linear(xq, dequant_fp8_ref(weight, scale, weight_block, x.dtype))
+    return F.linear(xq, dequant_fp8(weight, scale, weight_block, x.dtype))
 
 
 # ---- kernels -------------------------------------------------------------------------------------------------------

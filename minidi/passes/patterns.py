@@ -10,7 +10,8 @@ the passes stay one row of peers (``fx_utils`` < ``patterns`` < ``rewrite_*`` < 
 - ``row_gather``: ``x[idx]``, the MoE dispatch gather (pass I, and pass L's naive form of it).
 - ``fq8_input``: the model's ``quant.fq8(x, block)`` as Dynamo records it (pass H's activation, pass L's expert
   inputs, pass N's linear inputs).
-- ``fp8_weight_dequant``: the model's ``quant.dequant_fp8(weight, scale, block, dtype)`` (pass N's weights).
+- ``fp8_weight_dequant``: the model's ``formats.dequant_fp8(weight, scale, block, dtype)`` (pass N's weights), and
+  ``e8m0_decode``: ``formats.e8m0_to_float(scale)`` inside it and inside pass D's FP4 decode.
 """
 
 from __future__ import annotations
@@ -148,10 +149,10 @@ def _pow2_ceil_chain(s: Node, g: Node) -> set[Node] | None:
 
 
 def fp8_weight_dequant(node: Node) -> tuple[Node, Node, int, set[Node]] | None:
-    """node = quant.dequant_fp8(weight, scale, block, dtype) as Dynamo records it -> (weight, scale, block, the
+    """node = formats.dequant_fp8(weight, scale, block, dtype) as Dynamo records it -> (weight, scale, block, the
     chain's nodes)::
 
-        (weight.float() * _expand_tiles(e8m0_to_float(scale), out, inp, block, block)).to(dtype)
+        (weight.float() * expand_tiles(e8m0_to_float(scale), out, inp, block, block)).to(dtype)
 
     weight a 2-D float8_e4m3fn tensor, scale its E8M0 tiles [ceil(out / block), ceil(inp / block)]."""
     if not (is_call(node, "to") and len(node.args) == 2 and isinstance(node.args[1], torch.dtype)):
@@ -167,7 +168,7 @@ def fp8_weight_dequant(node: Node) -> tuple[Node, Node, int, set[Node]] | None:
     if found is None:
         return None
     s, block, expand = found
-    decode = _e8m0_decode_chain(s)
+    decode = e8m0_decode(s)
     if decode is None:
         return None
     scale, chain = decode
@@ -181,7 +182,7 @@ def fp8_weight_dequant(node: Node) -> tuple[Node, Node, int, set[Node]] | None:
 
 
 def _expanded_tiles(node: Node, shape: tuple[int, int]) -> tuple[Node, int, set[Node]] | None:
-    """node = quant._expand_tiles(s, out, inp, block, block) with block > 1 for a weight of ``shape`` -> (s, block,
+    """node = formats.expand_tiles(s, out, inp, block, block) with block > 1 for a weight of ``shape`` -> (s, block,
     nodes): ``s.repeat_interleave(block, dim=0)[:out].repeat_interleave(block, dim=1)[:, :inp]``."""
     out, inp = shape
     cols = node
@@ -202,17 +203,17 @@ def _expanded_tiles(node: Node, shape: tuple[int, int]) -> tuple[Node, int, set[
     return rep0.args[0], block, {cols, rep1, rows, rep0}
 
 
-def _e8m0_decode_chain(s: Node) -> tuple[Node, set[Node]] | None:
+def e8m0_decode(s: Node) -> tuple[Node, set[Node]] | None:
     """s = formats.e8m0_to_float(scale) -> (scale, nodes)::
 
         b = scale.view(uint8).to(int32)
         bits = where(b == 255, full_like(b, NAN_BITS), where(b == 0, full_like(b, MIN_BITS), b << 23))
         s = bits.view(float32)"""
-    if not (method_call(s, "view", torch.float32) and is_call(s.args[0], "where")):
+    if not (method_call(s, "view", torch.float32) and is_call(s.args[0], "where") and len(s.args[0].args) == 3):
         return None
     outer = s.args[0]
     is_nan, nan_bits, inner = outer.args
-    if not is_call(inner, "where"):
+    if not (is_call(inner, "where") and len(inner.args) == 3):
         return None
     is_zero, min_bits, shifted = inner.args
     b = shifted.args[0] if is_call(shifted, "lshift") and is_literal(shifted.args[1], 23) else None

@@ -26,11 +26,12 @@ from __future__ import annotations
 import torch
 from torch.fx import Node
 
-from minidi.formats import E2M1_GRID, E8M0_MIN_BITS, E8M0_NAN_BITS
+from minidi.formats import E2M1_GRID
 from minidi.ops.fp4_grouped_gemm import fp4_grouped_mm
 
 from .base import Match, Rewrite
 from .fx_utils import arg, dims_equal, dtype, is_call, is_literal, n_args, normalize_einsum, rank, same_int, val
+from .patterns import e8m0_decode
 
 
 def _view_to(node, view_dtype: torch.dtype, to_dtype: torch.dtype) -> Node | None:
@@ -41,14 +42,6 @@ def _view_to(node, view_dtype: torch.dtype, to_dtype: torch.dtype) -> Node | Non
     if not (is_call(v, "view") and n_args(v) == 2 and v.args[1] == view_dtype):
         return None
     return v.args[0]
-
-
-def _full_like(node, b: Node, value: int) -> bool:
-    return is_call(node, "full_like") and n_args(node) == 2 and node.args[0] is b and is_literal(node.args[1], value)
-
-
-def _eq(node, b: Node, value: int) -> bool:
-    return is_call(node, "eq") and len(node.args) == 2 and node.args[0] is b and is_literal(node.args[1], value)
 
 
 def _grid(node) -> set[Node] | None:
@@ -100,27 +93,15 @@ def dequant_fp4_stack(w: Node) -> tuple[Node, Node, set[Node]] | None:
         return None
     if not dims_equal(arg(s, 2, "dim"), -1):
         return None
-    fv = s.args[0]
-    if not (is_call(fv, "view") and n_args(fv) == 2 and fv.args[1] == torch.float32):
+    decoded = e8m0_decode(s.args[0])
+    if decoded is None:
         return None
-    outer = fv.args[0]
-    if not (is_call(outer, "where") and len(outer.args) == 3):
-        return None
-    inner = outer.args[2]
-    if not (is_call(inner, "where") and len(inner.args) == 3 and is_call(inner.args[2], "lshift")):
-        return None
-    b2 = inner.args[2].args[0]
-    if not (is_literal(inner.args[2].args[1], 23) and _eq(inner.args[0], b2, 0) and _eq(outer.args[0], b2, 255)):
-        return None
-    if not (_full_like(inner.args[1], b2, E8M0_MIN_BITS) and _full_like(outer.args[1], b2, E8M0_NAN_BITS)):
-        return None
-    scale = _view_to(b2, torch.uint8, torch.int32)
+    scale, scale_nodes = decoded
     if packed is None or scale is None or rank(packed) != 3 or rank(scale) != 3:
         return None
     if dtype(packed) not in (torch.int8, torch.uint8) or dtype(scale) not in (torch.uint8, torch.float8_e8m0fnu):
         return None
-    nodes = {w, mul, vals, codes, st, lo, hi, b, b.args[0], s, fv, outer, inner, *outer.args[:2], *inner.args,
-             b2, b2.args[0]} | grid
+    nodes = {w, mul, vals, codes, st, lo, hi, b, b.args[0], s} | scale_nodes | grid
     return packed, scale, nodes
 
 
