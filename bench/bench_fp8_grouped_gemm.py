@@ -12,7 +12,11 @@ R = 24,576 rows either way; rows per expert uniform or skewed (lognormal popular
   configs on uniform rows);
 - fp8 op + split: the same with ``fq8_split`` of the rows in the timed call (what a pass that cannot fuse the split
   into the producer costs);
-- bf16 op: ``fp4_grouped_mm`` (weights decoded to bf16 in the kernel) on the fq8 rows in bf16;
+- bf16 op: ``fp4_grouped_mm`` (weights decoded to bf16 in the kernel) on the fq8 rows in bf16: on sm_90 with
+  Triton 3.6 its Gluon kernel (``fp4_grouped_gemm_sm90.py``: exact bf16 weights decoded by other warps, bf16 wgmma,
+  nothing to promote), with the device-side code-range gate as the op runs it; ``--bf16-sweep`` other tile configs;
+- bf16 triton: the op's Triton kernel (``fp4_grouped_gemm.launch``, its default config): the reference every other
+  output is checked against;
 - grouped_mm bf16: ``torch._grouped_mm`` on weights dequantised beforehand (dequant not counted).
 Every output is checked against the bf16 op's (the same products; only the order of the fp32 sums differs).
 Peaks measured in the same run: bf16 and fp8 (``torch._scaled_mm``) 8192^3 matmuls. FLOPs = 2 R N K.
@@ -35,6 +39,8 @@ import triton  # noqa: E402
 
 from minidi.model.moe import grouped_mm  # noqa: E402
 from minidi.model.quant import fq8  # noqa: E402
+from minidi.ops import fp4_grouped_gemm as fp4_gemm  # noqa: E402
+from minidi.ops import fp4_grouped_gemm_sm90 as bf16_sm90  # noqa: E402
 from minidi.ops.fp4_grouped_gemm import fp4_dequant_ref, fp4_grouped_mm  # noqa: E402
 from minidi.ops.fp8_grouped_gemm import Fp8GemmConfig, default_config, fp8_fp4_grouped_mm, launch  # noqa: E402
 from minidi.ops.fp8_quant import fq8_split  # noqa: E402
@@ -61,6 +67,9 @@ GLUON_SWEEP = [G(), G(dec_warps=8, dec_regs=48, maxnreg=96), G(NS=3),
                G(BM=64, BN=256, NS=3, WM=1, WN=2, dec_regs=96),
                G(BM=64, BN=256, NS=3, WM=1, WN=2, dec_warps=8, dec_regs=48, maxnreg=96),
                G(BM=64, BN=256, NS=4, WM=1, WN=2, dec_regs=96)]
+B = bf16_sm90.Bf16Sm90Config
+BF16_SWEEP = [B(), B(NS=3), B(BN=128, maxnreg=152, dec_warps=4, dec_regs=80, NS=5),
+              bf16_sm90.EP1]
 ABLATIONS = {"sync": dict(PIPE=False), "no_promote": dict(ABLATE=1), "no_decode": dict(ABLATE=2),
              "mma_only": dict(ABLATE=3)}
 
@@ -81,6 +90,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--sweep", action="store_true", help="time the SWEEP configs on uniform rows")
     ap.add_argument("--ablate", action="store_true", help="time the Gluon kernel's ablations on uniform rows")
     ap.add_argument("--gluon-sweep", action="store_true", help="time the GLUON_SWEEP configs on uniform rows")
+    ap.add_argument("--bf16-sweep", action="store_true", help="time the BF16_SWEEP configs on uniform rows")
     ap.add_argument("--no-triton-fp8", action="store_true", help="skip the (slow) Triton fp8 kernel")
     ap.add_argument("--cases", default="EP4,EP1", help="comma list of EP4, EP1")
     ap.add_argument("--paths", default="w13,w2", help="comma list of w13, w2")
@@ -127,7 +137,9 @@ def main(argv: list[str] | None = None) -> dict:
                 flops = 2.0 * r * n * k
                 case = {"ep": ep, "experts": e, "path": path, "N": n, "K": k, "dist": dist, "R": r,
                         "max_rows": int(counts.max()), "flops": flops}
-                ref = fp4_grouped_mm(x, wp, ws, offs)
+                ref = torch.full((r, n), float("nan"), dtype=torch.bfloat16, device=device)
+                fp4_gemm.launch(x, wp, ws, offs, ref)  # the Triton kernel: the reference of every check
+                bf16_out = fp4_grouped_mm(x, wp, ws, offs)
                 out = torch.empty_like(ref)
                 cfg = default_config(q.device, k, r / e)
                 launch(q, s, wp, ws, offs, out, cfg)
@@ -146,6 +158,7 @@ def main(argv: list[str] | None = None) -> dict:
                 timed.update({
                     "fq8_split_alone": lambda: fq8_split(x, 32),
                     "bf16_op": lambda: fp4_grouped_mm(x, wp, ws, offs),
+                    "bf16_triton": lambda: fp4_gemm.launch(x, wp, ws, offs, out),
                     "grouped_mm_bf16": lambda: grouped_mm(x, w_bf16, offs),
                 })
                 for name, fn in timed.items():
@@ -153,6 +166,12 @@ def main(argv: list[str] | None = None) -> dict:
                     case[name] = {"ms": round(t, 4), "tflops": round(flops / t / 1e9, 1)}
                 case["fq8_split_alone"]["gbps"] = round(r * k * (2 + 1 + 4 / 32) / case["fq8_split_alone"]["ms"] / 1e6)
                 fp8_peak = pk.get("fp8_tflops", 1)
+                case["bf16_op"].update(check(bf16_out, ref))
+                case["bf16_op"]["sm90_gluon"] = gluon and bf16_sm90.can_run(x, wp)
+                case["bf16_op"]["pct_bf16_peak"] = round(100 * case["bf16_op"]["tflops"] / pk["bf16_tflops"], 1)
+                for other in ("bf16_triton", "grouped_mm_bf16", "gluon_sm90"):
+                    if other in case:
+                        case["bf16_op"][f"x_vs_{other}"] = round(case[other]["ms"] / case["bf16_op"]["ms"], 2)
                 if "fp8_op" in case:
                     case["fp8_op"]["config"] = cfg.name()
                     case["fp8_op"].update(check(out, ref))
@@ -184,6 +203,18 @@ def main(argv: list[str] | None = None) -> dict:
                         except Exception as err:  # a config that does not compile / fit: report it
                             row["error"] = f"{type(err).__name__}: {str(err)[:200]}"
                         gl_rows.append(row)
+                if gluon and dist == "uniform" and args.bf16_sweep:
+                    for vcfg in BF16_SWEEP:
+                        row = {"variant": "bf16 " + vcfg.name(), "config": vcfg.name()}
+                        try:
+                            o = torch.full_like(ref, float("nan"))
+                            bf16_sm90.launch_sm90(x, wp, ws, offs, o, vcfg)
+                            row.update(check(o, ref))
+                            t = ms(lambda: bf16_sm90.launch_sm90(x, wp, ws, offs, o, vcfg))
+                            row.update(ms=round(t, 4), tflops=round(flops / t / 1e9, 1))
+                        except Exception as err:  # a config that does not compile / fit: report it
+                            row["error"] = f"{type(err).__name__}: {str(err)[:200]}"
+                        gl_rows.append(row)
                 case["gluon_variants"] = gl_rows
                 sweep = []
                 if args.sweep and dist == "uniform":
@@ -211,7 +242,8 @@ def main(argv: list[str] | None = None) -> dict:
                 common.say(f"{ep} {path} {dist:<8} gluon {tf('gluon_sm90')} TFLOP/s ({gk.get('ms', float('nan')):.3f} "
                            f"ms, {gk.get('pct_fp8_peak', '')}% fp8, ok {gk.get('ok', '')}) | op, fold per call "
                            f"{tf('op_fold_per_call')} | triton fp8 "
-                           f"{tf('fp8_op')} | bf16 op {tf('bf16_op')} | grouped_mm bf16 {tf('grouped_mm_bf16')} | "
+                           f"{tf('fp8_op')} | bf16 op {tf('bf16_op')} (ok {case['bf16_op'].get('ok')}) | bf16 triton "
+                           f"{tf('bf16_triton')} | grouped_mm bf16 {tf('grouped_mm_bf16')} | "
                            f"split {case['fq8_split_alone']['gbps']} GB/s")
                 for row in gl_rows:
                     common.say(f"    gluon {row['variant']:<34} {row.get('tflops', '')!s:>8} {row.get('ok', '')!s:>6} "
@@ -219,7 +251,7 @@ def main(argv: list[str] | None = None) -> dict:
                 for row in sweep:
                     common.say(f"    {row['config']:<28} {row.get('tflops', '')!s:>8} {row.get('ok', '')!s:>6} "
                                f"{row.get('error', '')[:80]}")
-                x = q = s = ref = out = out_g = None
+                x = q = s = ref = out = out_g = bf16_out = None
             wp = ws = w_bf16 = None
             if not smoke:
                 torch.cuda.empty_cache()

@@ -1,5 +1,7 @@
-"""The sm_90 FP8 expert GEMM's weight-scale fold decided on the device, with no host sync
-(``fp8_grouped_gemm.fp8_fp4_grouped_mm`` uses it when it is not given a base).
+"""The sm_90 expert GEMMs' per-weight-tensor checks decided on the device, with no host sync: the FP8 kernel's
+weight-scale fold (``fp8_grouped_gemm.fp8_fp4_grouped_mm`` uses it when it is not given a base) and the bf16
+kernel's code range (``fp4_grouped_gemm_sm90.range_gate``), cached per weight tensor (``cached_flag``), and the
+two offs copies that pick the fast or the exact kernel (``gate_offs``).
 
 ``fold_fp4_rows`` (``fp8_grouped_gemm_sm90.py``) gives the per-row base, or None when a row cannot fold: one host
 sync. Here the same base comes from one pass over the E8M0 codes on the device, with a
@@ -14,6 +16,7 @@ Legend: E experts, N weight rows (output columns), NB = K / 32 scale blocks per 
 from __future__ import annotations
 
 import weakref
+from typing import Any, Callable
 
 import torch
 import triton
@@ -21,7 +24,7 @@ import triton.language as tl
 
 from .fp8_grouped_gemm_sm90 import FOLD_SPAN
 
-_FOLDS: dict[int, tuple] = {}  # id(w_scale) -> (weakref, signature, base, bad)
+_CACHE: dict[tuple, tuple] = {}  # (name, id(w_scale)) -> (weakref, signature, value)
 
 
 @triton.jit
@@ -65,23 +68,37 @@ def fold_rows(w_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return base, bad
 
 
-def cached_fold_rows(w_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``fold_rows`` once per weight-scale tensor: kept while the tensor lives, recomputed when its version counter,
-    storage or shape changes (an in-place copy bumps the version). Tensors without a version counter (made under
-    ``torch.inference_mode``) are folded every call. A stale entry cannot give a silently wrong result: any base
-    whose offsets stay in [-5, 6] is exact, and the kernel decodes an out-of-range block to NaN."""
+def cached_flag(name: str, w_scale: torch.Tensor, compute: Callable[[torch.Tensor], Any]) -> Any:
+    """``compute(w_scale)`` once per weight-scale tensor and ``name``: kept while the tensor lives, recomputed when its
+    version counter, storage or shape changes (an in-place copy bumps the version). Tensors without a version counter
+    (made under ``torch.inference_mode``) are computed every call."""
     try:
         version = w_scale._version
     except RuntimeError:  # an inference tensor: no version counter to trust
-        return fold_rows(w_scale)
-    key = id(w_scale)
+        return compute(w_scale)
+    key = (name, id(w_scale))
     sig = (version, w_scale.data_ptr(), tuple(w_scale.shape), tuple(w_scale.stride()), w_scale.device)
-    hit = _FOLDS.get(key)
+    hit = _CACHE.get(key)
     if hit is not None and hit[0]() is w_scale and hit[1] == sig:
-        return hit[2], hit[3]
-    base, bad = fold_rows(w_scale)
-    _FOLDS[key] = (weakref.ref(w_scale, lambda _, k=key: _FOLDS.pop(k, None)), sig, base, bad)
-    return base, bad
+        return hit[2]
+    value = compute(w_scale)
+    _CACHE[key] = (weakref.ref(w_scale, lambda _, k=key: _CACHE.pop(k, None)), sig, value)
+    return value
+
+
+def cached_fold_rows(w_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``fold_rows`` once per weight-scale tensor (``cached_flag``). A stale entry cannot give a silently wrong
+    result: any base whose offsets stay in [-5, 6] is exact, and the kernel decodes an out-of-range block to NaN."""
+    return cached_flag("fold_rows", w_scale, fold_rows)
+
+
+def gate_offs(offs: torch.Tensor, bad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(offs for the fast kernel, offs for the exact kernel): ``offs`` and zeros when ``bad`` (a [1] int32 device
+    flag) is 0, else the reverse; one tiny launch, no host sync."""
+    e = offs.shape[0]
+    fast_offs, exact_offs = torch.empty_like(offs), torch.empty_like(offs)
+    _gate_offs_kernel[(1,)](offs, bad, fast_offs, exact_offs, e, E_P2=triton.next_power_of_2(e), num_warps=1)
+    return fast_offs, exact_offs
 
 
 def fold_gate(w_scale: torch.Tensor, offs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -90,9 +107,5 @@ def fold_gate(w_scale: torch.Tensor, offs: torch.Tensor) -> tuple[torch.Tensor, 
     runs no tile); otherwise the reverse, and the base is unused. The fold is cached per weight-scale tensor
     (``cached_fold_rows``); each call then costs one tiny launch."""
     base, bad = cached_fold_rows(w_scale)
-    e = w_scale.shape[0]
-    fold_offs, exact_offs = torch.empty_like(offs), torch.empty_like(offs)
-    _gate_offs_kernel[(1,)](offs, bad, fold_offs, exact_offs, e, E_P2=triton.next_power_of_2(e), num_warps=1)
+    fold_offs, exact_offs = gate_offs(offs, bad)
     return base, fold_offs, exact_offs
-
-
