@@ -13,8 +13,9 @@ R = 24,576 rows either way; rows per expert uniform or skewed (lognormal popular
 - fp8 op + split: the same with ``fq8_split`` of the rows in the timed call (what a pass that cannot fuse the split
   into the producer costs);
 - bf16 op: ``fp4_grouped_mm`` (weights decoded to bf16 in the kernel) on the fq8 rows in bf16: on sm_90 with
-  Triton 3.6 its Gluon kernel (``fp4_grouped_gemm_sm90.py``: exact bf16 weights decoded by other warps, bf16 wgmma,
-  nothing to promote), with the device-side code-range gate as the op runs it; ``--bf16-sweep`` other tile configs;
+  Triton 3.6 its Gluon kernel (opt-in, ``MINIDI_FP4_GEMM_SM90=1``, which this bench sets;
+  ``fp4_grouped_gemm_sm90.py``: exact bf16 weights decoded by other warps, bf16 wgmma, nothing to promote), with
+  the device-side code-range gate as the op runs it; ``--bf16-sweep`` other tile configs;
 - bf16 triton: the op's Triton kernel (``fp4_grouped_gemm.launch``, its default config): the reference every other
   output is checked against;
 - grouped_mm bf16: ``torch._grouped_mm`` on weights dequantised beforehand (dequant not counted).
@@ -100,6 +101,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     smoke = args.smoke
     device = "cpu" if smoke else "cuda"
+    if not smoke:  # the op's Hopper Gluon path is opt-in (fp4_grouped_gemm_sm90.enabled): time it as the op runs it
+        os.environ[bf16_sm90.ENV] = "1"
     t0 = time.perf_counter()
     torch.manual_seed(args.seed)
     gen = torch.Generator().manual_seed(args.seed)

@@ -23,6 +23,9 @@ not 255 (a weight below 2^-125 or above 2^125 is no checkpoint's) decodes to NaN
 weights to this kernel: a device-side flag per weight tensor (``cached_code_range``, one pass over the codes, no
 host sync) gives every row to the Triton kernel instead (the two kernels' offs copies, ``fp4_fold_device``).
 
+Opt-in for now (``enabled``: ``MINIDI_FP4_GEMM_SM90=1``): written and compiled for sm_90a on a CPU in round 17,
+its GPU tests and timings not yet run on an H200 (no device was lent that round).
+
 Kernel (persistent; the tile schedule of ``_grouped_tiles.py`` rebuilt in Gluon, shared with the FP8 kernel). A tile
 is BM activation rows of one expert x BN weight rows: acc[BM, BN] = x[BM, K] @ W[BN, K]^T, both operands K-major in
 shared memory (128-byte swizzle). Three partitions share a ring of NS stages of BK = 64 along K:
@@ -37,6 +40,7 @@ NS pipeline stages, DW decoder warps, WM/WN consumer warpgroups along M/N.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -88,6 +92,16 @@ def default_config(rows_per_expert: float) -> Bf16Sm90Config:
     """128 x 256 tiles (two warpgroups along M) where experts hold >= 96 rows (EP4), else 64 x 256 (two warpgroups
     along N: EP1's 64 rows per expert fill one tile)."""
     return EP4 if rows_per_expert >= 96 else EP1
+
+
+ENV = "MINIDI_FP4_GEMM_SM90"  # "1": the op takes this kernel where it can run (not yet the default: see enabled)
+
+
+def enabled() -> bool:
+    """Whether ``fp4_grouped_mm`` takes this kernel on sm_90: only when ``MINIDI_FP4_GEMM_SM90=1``. Off by default
+    until its GPU tests and timings have run on an H200 (written in round 17, when no device was lent); the Triton
+    kernel stays the op's GPU path meanwhile. ``launch_sm90`` runs it regardless (tests, benchmarks)."""
+    return os.environ.get(ENV, "") == "1"
 
 
 def can_run(x: torch.Tensor, w_packed: torch.Tensor) -> bool:
@@ -436,5 +450,5 @@ def launch_sm90(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor, 
         num_warps=4 * cfg.WM * cfg.WN, maxnreg=cfg.maxnreg)
 
 
-__all__ = ["Bf16Sm90Config", "EP1", "EP4", "can_run", "decode_ref", "decode_tables", "default_config",
+__all__ = ["Bf16Sm90Config", "EP1", "EP4", "can_run", "decode_ref", "decode_tables", "default_config", "enabled",
            "launch_sm90", "range_gate"]

@@ -118,6 +118,13 @@ def test_module_is_inert_without_a_hopper_gpu():
     assert sm90.can_run(x, torch.zeros(2, 8, 64, dtype=torch.int8)) is False
 
 
+def test_opt_in_switch(monkeypatch):
+    monkeypatch.delenv(sm90.ENV, raising=False)
+    assert not sm90.enabled()
+    monkeypatch.setenv(sm90.ENV, "1")
+    assert sm90.enabled()
+
+
 # ---- compiles for sm_90a on the CPU (Triton's compiler and ptxas need no GPU) -----------------------------------
 @pytest.mark.skipif(not sm90.gluon_supported(), reason="Gluon API of a tested Triton version (3.6) not installed")
 @pytest.mark.parametrize("cfg", [sm90.EP4, sm90.EP1], ids=["EP4", "EP1"])
@@ -194,8 +201,10 @@ def test_gpu_sm90_matches_fp64(case, cfg):
 
 
 @gpu
-def test_gpu_op_takes_the_sm90_path_and_hands_out_of_range_codes_to_triton():
+def test_gpu_op_takes_the_sm90_path_and_hands_out_of_range_codes_to_triton(monkeypatch):
     _gpu_ready()
+    monkeypatch.setenv(sm90.ENV, "1")
+    assert sm90.enabled()
     x, q, s, wp, ws, offs = make(4, 256, 512, [100, 0, 37, 200], 0, seed=51, device="cuda")
     _assert_close(fp4_grouped_mm(x, wp, ws, offs), fp64_reference(q, s, wp, ws, offs), abs_mass(q, s, wp, ws, offs))
     ws2 = ws.view(torch.uint8).clone()
