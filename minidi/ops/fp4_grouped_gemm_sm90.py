@@ -73,11 +73,22 @@ class Bf16Sm90Config:
     WN: int = 1
     # per-thread register cap at entry (ptxas compiles every partition under it; setmaxnreg then moves registers
     # to the consumers at run time): a m64n256 accumulator is 128 registers and its wgmma needs 154 in all, so
-    # 128 x 256 tiles run 2 decoder warps (11 warps x 184 registers fit the 64K register file; 13 x 152 did not)
-    maxnreg: int = 184
+    # 128 x 256 tiles run 2 decoder warps: the worker warps (loader + decoder) are padded to whole warpgroups, 8 +
+    # 4 warps x 168 registers fit the 64K register file (with 4 decoder warps, 16 warps leave 128)
+    maxnreg: int = 168
     dec_regs: int = 112  # registers of a decoder thread (its code offsets and two stages of codes: no spills)
     dec_warps: int = 2  # warps of the decoder partition
     progs_per_sm: int = 1  # persistent programs per multiprocessor
+
+    def threads(self) -> int:
+        """Threads of a program: the MMA warpgroups and the worker warps (loader + decoder) padded to warpgroups."""
+        return 32 * (4 * self.WM * self.WN + 4 * -(-(1 + self.dec_warps) // 4))
+
+    def check(self) -> None:
+        """Clear errors for a config the GPU cannot launch (Triton would say "out of resource: threads")."""
+        if self.threads() * self.maxnreg > 65536:
+            raise ValueError(f"fp4_grouped_mm (sm90): {self.name()}: {self.threads()} threads x maxnreg "
+                             f"{self.maxnreg} exceed the 65,536 registers of a multiprocessor")
 
     def name(self) -> str:
         return (f"bf16_BM{self.BM}_BN{self.BN}_S{self.NS}_W{self.WM}x{self.WN}_D{self.dec_warps}x{self.dec_regs}"
@@ -85,7 +96,7 @@ class Bf16Sm90Config:
 
 
 EP4 = Bf16Sm90Config()
-EP1 = Bf16Sm90Config(BM=64, BN=256, NS=4, WM=1, WN=2, maxnreg=152, dec_warps=4, dec_regs=80)  # m64n128 per WG
+EP1 = Bf16Sm90Config(BM=64, BN=256, NS=4, WM=1, WN=2, maxnreg=128, dec_warps=4, dec_regs=80)  # m64n128 per WG
 
 
 def default_config(rows_per_expert: float) -> Bf16Sm90Config:
@@ -339,7 +350,8 @@ if HAVE_GLUON:
                         [p, gl.expand_dims(lo0, 2), gl.expand_dims(lo1, 2), gl.expand_dims(hi0, 2),
                          gl.expand_dims(hi1, 2)],
                         dtype=[gl.int32, gl.int32, gl.int32, gl.int32], is_pure=True, pack=1)
-                    v = gl.reshape(gl.join(gl.join(o0, o1), gl.join(o2, o3)), [SUB, BKC // 2])  # bf16x2 words
+                    # element [.., w, x, y] of the joined [SUB, NBK, 4, 2, 2] becomes word 4w + 2x + y: o_(2x+y)
+                    v = gl.reshape(gl.join(gl.join(o0, o2), gl.join(o1, o3)), [SUB, BKC // 2])
                     d_bufs.index(s).slice(sub * SUB, SUB, dim=0)._reinterpret(gl.int32, [SUB, BKC // 2], D32).store(v)
                 fence_async_shared()
                 mbarrier.arrive(d_ready.index(s), count=1)
@@ -440,6 +452,7 @@ def launch_sm90(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor, 
     w_packed = w_packed if w_packed.is_contiguous() and w_packed.data_ptr() % 16 == 0 else w_packed.contiguous()
     w_scale = w_scale.contiguous()
     cfg = config or default_config(r / e)
+    cfg.check()
     x_desc, w_desc = descriptors(x, w_packed, cfg)
     max_tiles = (r // cfg.BM + e) * triton.cdiv(n, cfg.BN)
     progs = max(1, min(num_sms(x.device) * cfg.progs_per_sm, max_tiles))

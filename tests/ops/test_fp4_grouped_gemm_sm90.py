@@ -118,6 +118,19 @@ def test_module_is_inert_without_a_hopper_gpu():
     assert sm90.can_run(x, torch.zeros(2, 8, 64, dtype=torch.int8)) is False
 
 
+@pytest.mark.parametrize("cfg", [sm90.EP4, sm90.EP1], ids=["EP4", "EP1"])
+def test_default_configs_fit_the_register_file(cfg):
+    cfg.check()  # threads (worker warps padded to warpgroups) x maxnreg <= 64K: the H200 launches it
+    assert cfg.threads() == 384 if cfg is sm90.EP4 else cfg.threads() == 512
+
+
+def test_a_config_over_the_register_file_is_refused_clearly():
+    import dataclasses
+
+    with pytest.raises(ValueError, match="exceed the 65,536 registers"):
+        dataclasses.replace(sm90.EP4, maxnreg=184).check()  # 12 warps x 184: Triton's "out of resource: threads"
+
+
 def test_opt_in_switch(monkeypatch):
     monkeypatch.delenv(sm90.ENV, raising=False)
     assert not sm90.enabled()
