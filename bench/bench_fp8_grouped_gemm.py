@@ -69,7 +69,7 @@ GLUON_SWEEP = [G(), G(dec_warps=8, dec_regs=48, maxnreg=96), G(NS=3),
                G(BM=64, BN=256, NS=3, WM=1, WN=2, dec_warps=8, dec_regs=48, maxnreg=96),
                G(BM=64, BN=256, NS=4, WM=1, WN=2, dec_regs=96)]
 B = bf16_sm90.Bf16Sm90Config
-BF16_SWEEP = [B(), B(NS=3), B(BN=128, maxnreg=128, dec_warps=4, dec_regs=80, NS=5),
+BF16_SWEEP = [B(), B(dec_rows=2), B(BN=128, maxnreg=128, dec_warps=4, dec_regs=80, NS=5),
               bf16_sm90.EP1]
 ABLATIONS = {"sync": dict(PIPE=False), "no_promote": dict(ABLATE=1), "no_decode": dict(ABLATE=2),
              "mma_only": dict(ABLATE=3)}

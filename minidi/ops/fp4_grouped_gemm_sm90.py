@@ -78,6 +78,7 @@ class Bf16Sm90Config:
     maxnreg: int = 168
     dec_regs: int = 112  # registers of a decoder thread (its code offsets and two stages of codes: no spills)
     dec_warps: int = 2  # warps of the decoder partition
+    dec_rows: int = 1  # weight rows a decoder thread decodes per pass (more: fewer passes and barriers)
     progs_per_sm: int = 1  # persistent programs per multiprocessor
 
     def threads(self) -> int:
@@ -85,14 +86,19 @@ class Bf16Sm90Config:
         return 32 * (4 * self.WM * self.WN + 4 * -(-(1 + self.dec_warps) // 4))
 
     def check(self) -> None:
-        """Clear errors for a config the GPU cannot launch (Triton would say "out of resource: threads")."""
+        """Clear errors for a config the GPU cannot launch (Triton would say "out of resource: threads") or that the
+        decoder cannot tile (2, 4 or 8 passes of dec_rows * 16 * dec_warps rows per tile)."""
+        passes = self.BN // (self.dec_rows * 16 * self.dec_warps)
+        if passes not in (2, 4, 8) or passes * self.dec_rows * 16 * self.dec_warps != self.BN:
+            raise ValueError(f"fp4_grouped_mm (sm90): {self.name()}: BN = {self.BN} is not 2, 4 or 8 decoder passes "
+                             f"of {self.dec_rows * 16 * self.dec_warps} rows")
         if self.threads() * self.maxnreg > 65536:
             raise ValueError(f"fp4_grouped_mm (sm90): {self.name()}: {self.threads()} threads x maxnreg "
                              f"{self.maxnreg} exceed the 65,536 registers of a multiprocessor")
 
     def name(self) -> str:
         return (f"bf16_BM{self.BM}_BN{self.BN}_S{self.NS}_W{self.WM}x{self.WN}_D{self.dec_warps}x{self.dec_regs}"
-                f"_r{self.maxnreg}_p{self.progs_per_sm}")
+                f"_r{self.maxnreg}_p{self.progs_per_sm}" + (f"_rows{self.dec_rows}" if self.dec_rows > 1 else ""))
 
 
 EP4 = Bf16Sm90Config()
@@ -315,16 +321,16 @@ if HAVE_GLUON:
     @gluon.jit
     def _decoder(p_bufs, d_bufs, x_ready, d_ready, ws_ptr, offs_ptr, R, N, E, K, NUM_PROGS,
                  BM: gl.constexpr, BN: gl.constexpr, NS: gl.constexpr, E_POW2: gl.constexpr, DW: gl.constexpr,
-                 DECODE_ASM: gl.constexpr, LO: gl.constexpr, HI: gl.constexpr):
+                 RPT: gl.constexpr, DECODE_ASM: gl.constexpr, LO: gl.constexpr, HI: gl.constexpr):
         BKC: gl.constexpr = 64
         NBK: gl.constexpr = BKC // 32  # blocks per stage
-        # [BN, NBK, 4] int32: a thread holds the 4 words (32 codes) of one (row, block)
-        L3: gl.constexpr = gl.BlockedLayout([1, 1, 4], [32 // NBK, NBK, 1], [DW, 1, 1], [2, 1, 0])
+        # [SUB, NBK, 4] int32: a thread holds the 4 words (32 codes) of RPT (row, block) pairs
+        L3: gl.constexpr = gl.BlockedLayout([RPT, 1, 4], [32 // NBK, NBK, 1], [DW, 1, 1], [2, 1, 0])
         LS: gl.constexpr = gl.SliceLayout(2, L3)  # [BN, NBK]
         LR: gl.constexpr = gl.SliceLayout(1, LS)  # [BN]
         LB: gl.constexpr = gl.SliceLayout(0, LS)  # [NBK]
         D32: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
-        SUB: gl.constexpr = (32 // NBK) * DW  # weight rows decoded per pass (one (row, block) per thread)
+        SUB: gl.constexpr = RPT * (32 // NBK) * DW  # weight rows decoded per pass
         pid = gl.program_id(0)
         starts, cum, m_tiles = _schedule(offs_ptr, R, E, BM, E_POW2, DW)
         n_tiles = gl.cdiv(N, BN)
@@ -398,7 +404,7 @@ if HAVE_GLUON:
     def _fp4_grouped_mm_sm90(x_desc, w_desc, ws_ptr, offs_ptr, out_ptr, R, N, E, K, NUM_PROGS, stride_o,
                              BM: gl.constexpr, BN: gl.constexpr, NS: gl.constexpr, E_POW2: gl.constexpr,
                              WM: gl.constexpr, WN: gl.constexpr, DW: gl.constexpr, DEC_REGS: gl.constexpr,
-                             DECODE_ASM: gl.constexpr, LO: gl.constexpr, HI: gl.constexpr):
+                             RPT: gl.constexpr, DECODE_ASM: gl.constexpr, LO: gl.constexpr, HI: gl.constexpr):
         BKC: gl.constexpr = 64
         d_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         a_bufs = gl.allocate_shared_memory(gl.bfloat16, [NS, BM, BKC], x_desc.layout)
@@ -418,7 +424,7 @@ if HAVE_GLUON:
             (_loader, (x_desc, w_desc, a_bufs, p_bufs, x_ready, x_empty, offs_ptr, R, N, E, K, NUM_PROGS,
                        BM, BN, NS, E_POW2)),
             (_decoder, (p_bufs, d_bufs, x_ready, d_ready, ws_ptr, offs_ptr, R, N, E, K, NUM_PROGS,
-                        BM, BN, NS, E_POW2, DW, DECODE_ASM, LO, HI)),
+                        BM, BN, NS, E_POW2, DW, RPT, DECODE_ASM, LO, HI)),
         ], [1, DW], [24, DEC_REGS])
 
 
@@ -459,7 +465,7 @@ def launch_sm90(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor, 
     _fp4_grouped_mm_sm90[(progs,)](
         x_desc, w_desc, w_scale.view(torch.uint8), offs, out, r, n, e, k, progs, out.stride(0),
         BM=cfg.BM, BN=cfg.BN, NS=cfg.NS, E_POW2=e_pow2(e, False), WM=cfg.WM, WN=cfg.WN, DW=cfg.dec_warps,
-        DEC_REGS=cfg.dec_regs, DECODE_ASM=_DECODE_ASM, LO=CODE_LO, HI=CODE_HI,
+        DEC_REGS=cfg.dec_regs, RPT=cfg.dec_rows, DECODE_ASM=_DECODE_ASM, LO=CODE_LO, HI=CODE_HI,
         num_warps=4 * cfg.WM * cfg.WN, maxnreg=cfg.maxnreg)
 
 

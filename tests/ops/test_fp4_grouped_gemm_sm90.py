@@ -154,7 +154,8 @@ def test_kernel_compiles_for_sm90a_with_pipelined_wgmma(cfg):
     descs = dict(zip(("x_desc", "w_desc"), sm90.descriptors(x, wp, cfg)))
     ptrs = dict(ws_ptr=torch.uint8, offs_ptr=torch.int32, out_ptr=torch.bfloat16)
     consts = dict(BM=cfg.BM, BN=cfg.BN, NS=cfg.NS, E_POW2=512, WM=cfg.WM, WN=cfg.WN, DW=cfg.dec_warps,
-                  DEC_REGS=cfg.dec_regs, DECODE_ASM=sm90._DECODE_ASM, LO=sm90.CODE_LO, HI=sm90.CODE_HI)
+                  DEC_REGS=cfg.dec_regs, RPT=cfg.dec_rows, DECODE_ASM=sm90._DECODE_ASM, LO=sm90.CODE_LO,
+                  HI=sm90.CODE_HI)
     fn = sm90._fp4_grouped_mm_sm90
     sig = {}
     for name in fn.arg_names:
