@@ -13,7 +13,7 @@ R = 24,576 rows either way; rows per expert uniform or skewed (lognormal popular
 - fp8 op + split: the same with ``fq8_split`` of the rows in the timed call (what a pass that cannot fuse the split
   into the producer costs);
 - bf16 op: ``fp4_grouped_mm`` (weights decoded to bf16 in the kernel) on the fq8 rows in bf16: on sm_90 with
-  Triton 3.6 its Gluon kernel (opt-in, ``MINIDI_FP4_GEMM_SM90=1``, which this bench sets;
+  Triton 3.6 its Gluon kernel (the default; ``MINIDI_FP4_GEMM_SM90=0`` would keep the Triton kernel;
   ``fp4_grouped_gemm_sm90.py``: exact bf16 weights decoded by other warps, bf16 wgmma, nothing to promote), with
   the device-side code-range gate as the op runs it; ``--bf16-sweep`` other tile configs;
 - bf16 triton: the op's Triton kernel (``fp4_grouped_gemm.launch``, its default config): the reference every other
@@ -69,8 +69,8 @@ GLUON_SWEEP = [G(), G(dec_warps=8, dec_regs=48, maxnreg=96), G(NS=3),
                G(BM=64, BN=256, NS=3, WM=1, WN=2, dec_warps=8, dec_regs=48, maxnreg=96),
                G(BM=64, BN=256, NS=4, WM=1, WN=2, dec_regs=96)]
 B = bf16_sm90.Bf16Sm90Config
-BF16_SWEEP = [B(), B(dec_rows=2), B(BN=128, maxnreg=128, dec_warps=4, dec_regs=80, NS=5),
-              bf16_sm90.EP1]
+BF16_SWEEP = [bf16_sm90.EP4, B(BN=128, maxnreg=128, dec_warps=4, dec_regs=80, NS=4), bf16_sm90.WIDE,
+              B(dec_rows=2), bf16_sm90.EP1]
 ABLATIONS = {"sync": dict(PIPE=False), "no_promote": dict(ABLATE=1), "no_decode": dict(ABLATE=2),
              "mma_only": dict(ABLATE=3)}
 
@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     smoke = args.smoke
     device = "cpu" if smoke else "cuda"
-    if not smoke:  # the op's Hopper Gluon path is opt-in (fp4_grouped_gemm_sm90.enabled): time it as the op runs it
+    if not smoke:  # the op's Hopper Gluon path (fp4_grouped_gemm_sm90.enabled), as the op runs it by default
         os.environ[bf16_sm90.ENV] = "1"
     t0 = time.perf_counter()
     torch.manual_seed(args.seed)

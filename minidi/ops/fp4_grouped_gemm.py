@@ -364,8 +364,8 @@ def _fp4_grouped_mm_op(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.T
     x, w_packed, w_scale = _unit_last(x), _unit_last(w_packed), _unit_last(w_scale)
     out = torch.empty(x.shape[0], w_packed.shape[1], dtype=x.dtype, device=x.device)
     offs = offs.contiguous()
-    if sm90.enabled() and sm90.can_run(x, w_packed):  # Hopper, bf16 x (opt-in): the Gluon kernel, unless some E8M0
-        # code would not decode exactly
+    if sm90.enabled() and sm90.can_run(x, w_packed):  # Hopper, bf16 x: the Gluon kernel, unless some E8M0 code
+        # would not decode exactly
         fast_offs, offs = sm90.range_gate(w_scale, offs)  # decided on the device: no host sync
         sm90.launch_sm90(x, w_packed, w_scale, fast_offs, out)  # then the Triton kernel below runs no tile
     _launch_with_fallback(x, w_packed, w_scale, offs, out)

@@ -23,8 +23,9 @@ not 255 (a weight below 2^-125 or above 2^125 is no checkpoint's) decodes to NaN
 weights to this kernel: a device-side flag per weight tensor (``cached_code_range``, one pass over the codes, no
 host sync) gives every row to the Triton kernel instead (the two kernels' offs copies, ``fp4_fold_device``).
 
-Opt-in for now (``enabled``: ``MINIDI_FP4_GEMM_SM90=1``): written and compiled for sm_90a on a CPU in round 17,
-its GPU tests and timings not yet run on an H200 (no device was lent that round).
+Measured on the H200 (round 17, ``docs/ops/fp4_grouped_gemm.md``): 1.04-1.12x the Triton kernel, the op's path
+for bf16 x on sm_90 (``MINIDI_FP4_GEMM_SM90=0`` keeps the Triton kernel); below the FP8 kernel that pass L uses
+with fake quant (0.86-0.95x), so that stays the served path.
 
 Kernel (persistent; the tile schedule of ``_grouped_tiles.py`` rebuilt in Gluon, shared with the FP8 kernel). A tile
 is BM activation rows of one expert x BN weight rows: acc[BM, BN] = x[BM, K] @ W[BN, K]^T, both operands K-major in
@@ -101,24 +102,24 @@ class Bf16Sm90Config:
                 f"_r{self.maxnreg}_p{self.progs_per_sm}" + (f"_rows{self.dec_rows}" if self.dec_rows > 1 else ""))
 
 
-EP4 = Bf16Sm90Config()
+WIDE = Bf16Sm90Config()  # 128 x 256: fewer activation re-reads, but 2 decoder warps bound it (round 17: 0.87x of EP4)
+EP4 = Bf16Sm90Config(BN=128, NS=5, maxnreg=128, dec_warps=4, dec_regs=80)  # two m64n128 warpgroups along M
 EP1 = Bf16Sm90Config(BM=64, BN=256, NS=4, WM=1, WN=2, maxnreg=128, dec_warps=4, dec_regs=80)  # m64n128 per WG
 
 
 def default_config(rows_per_expert: float) -> Bf16Sm90Config:
-    """128 x 256 tiles (two warpgroups along M) where experts hold >= 96 rows (EP4), else 64 x 256 (two warpgroups
-    along N: EP1's 64 rows per expert fill one tile)."""
+    """128 x 128 tiles (two warpgroups along M, 4 decoder warps) where experts hold >= 96 rows (EP4), else 64 x 256
+    (two warpgroups along N: EP1's 64 rows per expert fill one tile). The fastest of the round-17 sweep."""
     return EP4 if rows_per_expert >= 96 else EP1
 
 
-ENV = "MINIDI_FP4_GEMM_SM90"  # "1": the op takes this kernel where it can run (not yet the default: see enabled)
+ENV = "MINIDI_FP4_GEMM_SM90"  # "0": the op keeps its Triton kernel on sm_90 (A/B runs, a suspected kernel bug)
 
 
 def enabled() -> bool:
-    """Whether ``fp4_grouped_mm`` takes this kernel on sm_90: only when ``MINIDI_FP4_GEMM_SM90=1``. Off by default
-    until its GPU tests and timings have run on an H200 (written in round 17, when no device was lent); the Triton
-    kernel stays the op's GPU path meanwhile. ``launch_sm90`` runs it regardless (tests, benchmarks)."""
-    return os.environ.get(ENV, "") == "1"
+    """Whether ``fp4_grouped_mm`` takes this kernel on sm_90 (default yes; ``MINIDI_FP4_GEMM_SM90=0``: the Triton
+    kernel). ``launch_sm90`` runs it regardless (tests, benchmarks)."""
+    return os.environ.get(ENV, "1") != "0"
 
 
 def can_run(x: torch.Tensor, w_packed: torch.Tensor) -> bool:

@@ -121,26 +121,27 @@ def test_module_is_inert_without_a_hopper_gpu():
 @pytest.mark.parametrize("cfg", [sm90.EP4, sm90.EP1], ids=["EP4", "EP1"])
 def test_default_configs_fit_the_register_file(cfg):
     cfg.check()  # threads (worker warps padded to warpgroups) x maxnreg <= 64K: the H200 launches it
-    assert cfg.threads() == 384 if cfg is sm90.EP4 else cfg.threads() == 512
+    assert cfg.threads() == 512
 
 
 def test_a_config_over_the_register_file_is_refused_clearly():
     import dataclasses
 
     with pytest.raises(ValueError, match="exceed the 65,536 registers"):
-        dataclasses.replace(sm90.EP4, maxnreg=184).check()  # 12 warps x 184: Triton's "out of resource: threads"
+        dataclasses.replace(sm90.WIDE, maxnreg=184).check()  # 12 warps x 184: Triton's "out of resource: threads"
+    sm90.WIDE.check()  # 12 warps x 168
 
 
-def test_opt_in_switch(monkeypatch):
+def test_opt_out_switch(monkeypatch):
     monkeypatch.delenv(sm90.ENV, raising=False)
-    assert not sm90.enabled()
-    monkeypatch.setenv(sm90.ENV, "1")
     assert sm90.enabled()
+    monkeypatch.setenv(sm90.ENV, "0")
+    assert not sm90.enabled()
 
 
 # ---- compiles for sm_90a on the CPU (Triton's compiler and ptxas need no GPU) -----------------------------------
 @pytest.mark.skipif(not sm90.gluon_supported(), reason="Gluon API of a tested Triton version (3.6) not installed")
-@pytest.mark.parametrize("cfg", [sm90.EP4, sm90.EP1], ids=["EP4", "EP1"])
+@pytest.mark.parametrize("cfg", [sm90.EP4, sm90.EP1, sm90.WIDE], ids=["EP4", "EP1", "WIDE"])
 def test_kernel_compiles_for_sm90a_with_pipelined_wgmma(cfg):
     pytest.importorskip("triton.backends.nvidia.compiler")
     import triton
@@ -192,6 +193,13 @@ GPU_CASES = {  # experts, N, K, rows per expert, rows past offs[-1]
 }
 
 
+def _reference(x: torch.Tensor, wp: torch.Tensor, ws: torch.Tensor, offs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """fp64 product of x itself (bf16, exact; the FP8 tests' helpers take fq8 splits, here every scale is 1) and
+    its sum |x| |w|."""
+    ones = torch.ones(x.shape[0], x.shape[1] // 32, dtype=torch.float32, device=x.device)
+    return fp64_reference(x, ones, wp, ws, offs), abs_mass(x, ones, wp, ws, offs)
+
+
 def _assert_close(out: torch.Tensor, ref: torch.Tensor, mass: torch.Tensor) -> None:
     """bf16 output: its rounding (2^-8 relative) plus the tensor core's fp32 accumulation (2^-16 of sum |x| |w|, a
     bound far above fp32's and far below any indexing or decode error)."""
@@ -201,7 +209,7 @@ def _assert_close(out: torch.Tensor, ref: torch.Tensor, mass: torch.Tensor) -> N
 
 
 @gpu
-@pytest.mark.parametrize("cfg", [sm90.EP4, sm90.EP1], ids=["EP4", "EP1"])
+@pytest.mark.parametrize("cfg", [sm90.EP4, sm90.EP1, sm90.WIDE], ids=["EP4", "EP1", "WIDE"])
 @pytest.mark.parametrize("case", list(GPU_CASES))
 def test_gpu_sm90_matches_fp64(case, cfg):
     _gpu_ready()
@@ -210,23 +218,24 @@ def test_gpu_sm90_matches_fp64(case, cfg):
     out = torch.full((x.shape[0], n), POISON, dtype=torch.bfloat16, device="cuda")
     sm90.launch_sm90(x, wp, ws, offs, out, cfg)
     end = int(offs[-1])
-    _assert_close(out[:end], fp64_reference(q, s, wp, ws, offs)[:end], abs_mass(q, s, wp, ws, offs)[:end])
+    ref, mass = _reference(x, wp, ws, offs)
+    _assert_close(out[:end], ref[:end], mass[:end])
     assert (out[end:] == POISON).all()  # rows past offs[-1]: never written
 
 
 @gpu
 def test_gpu_op_takes_the_sm90_path_and_hands_out_of_range_codes_to_triton(monkeypatch):
     _gpu_ready()
-    monkeypatch.setenv(sm90.ENV, "1")
+    monkeypatch.delenv(sm90.ENV, raising=False)
     assert sm90.enabled()
     x, q, s, wp, ws, offs = make(4, 256, 512, [100, 0, 37, 200], 0, seed=51, device="cuda")
-    _assert_close(fp4_grouped_mm(x, wp, ws, offs), fp64_reference(q, s, wp, ws, offs), abs_mass(q, s, wp, ws, offs))
+    _assert_close(fp4_grouped_mm(x, wp, ws, offs), *_reference(x, wp, ws, offs))
     ws2 = ws.view(torch.uint8).clone()
     ws2[2, 5, 0] = 1  # one tiny block: the exponent-add decode would not be exact
     ws2 = ws2.view(torch.float8_e8m0fnu)
     assert int(sm90.code_range_flag(ws2)) == 1
     out = fp4_grouped_mm(x, wp, ws2, offs)  # the Triton kernel, every row
-    _assert_close(out, fp64_reference(q, s, wp, ws2, offs), abs_mass(q, s, wp, ws2, offs))
+    _assert_close(out, *_reference(x, wp, ws2, offs))
 
 
 @gpu
@@ -240,5 +249,5 @@ def test_gpu_nan_code_gives_nan_columns():
     assert torch.isnan(out[64:, 7]).all() and not torch.isnan(out[:64]).any()
     good = torch.ones(128, 128, dtype=torch.bool)
     good[64:, 7] = False
-    ref, mass = fp64_reference(q, s, wp, ws, offs), abs_mass(q, s, wp, ws, offs)
+    ref, mass = _reference(x, wp, ws, offs)
     _assert_close(torch.where(good.cuda(), out, 0), torch.where(good, ref, 0), torch.where(good, mass, 0))
