@@ -24,8 +24,8 @@ weights to this kernel: a device-side flag per weight tensor (``cached_code_rang
 host sync) gives every row to the Triton kernel instead (the two kernels' offs copies, ``fp4_fold_device``).
 
 Measured on the H200 (round 17, ``docs/ops/fp4_grouped_gemm.md``): 1.04-1.12x the Triton kernel, the op's path
-for bf16 x on sm_90 (``MINIDI_FP4_GEMM_SM90=0`` keeps the Triton kernel); below the FP8 kernel that pass L uses
-with fake quant (0.86-0.95x), so that stays the served path.
+for bf16 x on sm_90 (``MINIDI_FP4_GEMM_SM90=0`` keeps the Triton kernel); not above the FP8 kernel that pass L
+uses with fake quant (0.90-1.01x), so that stays the served path.
 
 Kernel (persistent; the tile schedule of ``_grouped_tiles.py`` rebuilt in Gluon, shared with the FP8 kernel). A tile
 is BM activation rows of one expert x BN weight rows: acc[BM, BN] = x[BM, K] @ W[BN, K]^T, both operands K-major in
