@@ -101,6 +101,33 @@ def gate_offs(offs: torch.Tensor, bad: torch.Tensor) -> tuple[torch.Tensor, torc
     return fast_offs, exact_offs
 
 
+@triton.jit
+def _code_range_kernel(ws_ptr, bad_ptr, NUMEL, LO: tl.constexpr, HI: tl.constexpr, BLOCK: tl.constexpr):
+    """*bad_ptr = 1 when some E8M0 code is outside [LO, HI] and not 255 (NaN)."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    c = tl.load(ws_ptr + i, mask=i < NUMEL, other=LO).to(tl.int32)
+    bad = tl.max(((c < LO) | ((c > HI) & (c != 255))).to(tl.int32), 0)
+    if bad != 0:
+        tl.atomic_max(bad_ptr, bad)
+
+
+def code_range_flag(w_scale: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """[1] int32 on the device: 1 when some code of ``w_scale`` is outside [lo, hi] and not 255; one pass."""
+    codes = w_scale.contiguous().view(torch.uint8).reshape(-1)
+    bad = torch.zeros(1, dtype=torch.int32, device=w_scale.device)
+    block = 4096
+    _code_range_kernel[(max(1, triton.cdiv(codes.numel(), block)),)](codes, bad, codes.numel(), LO=lo, HI=hi,
+                                                                    BLOCK=block)
+    return bad
+
+
+def code_range_gate(w_scale: torch.Tensor, offs: torch.Tensor, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(offs for the fast kernel, offs for the exact kernel) by ``code_range_flag`` (cached per weight-scale tensor,
+    ``cached_flag``): a call costs one tiny launch, no host sync."""
+    bad = cached_flag(f"code_range {lo}..{hi}", w_scale, lambda w: code_range_flag(w, lo, hi))
+    return gate_offs(offs, bad)
+
+
 def fold_gate(w_scale: torch.Tensor, offs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Device-side ``fold_fp4_rows`` with no host sync: (base [E, N] int32, offs for the folded kernel, offs for the
     exact kernel). When every row folds, the first offs is ``offs`` and the second all zeros (the exact kernel then

@@ -20,8 +20,8 @@ Per (row, block of 32) the decoder builds the 8 low and 8 high bytes of these pa
 codes (one 32-bit word) PTX ``prmt`` looks up the 8 low and 8 high bytes, ORs the sign bits into the high bytes and
 interleaves them into four bf16x2 words: 15 instructions per 8 weights. A block whose code is outside [2, 252] and
 not 255 (a weight below 2^-125 or above 2^125 is no checkpoint's) decodes to NaN bytes here; the op never sends such
-weights to this kernel: a device-side flag per weight tensor (``cached_code_range``, one pass over the codes, no
-host sync) gives every row to the Triton kernel instead (the two kernels' offs copies, ``fp4_fold_device``).
+weights to this kernel: a device-side flag per weight tensor (``fp4_fold_device.code_range_gate``, one pass over
+the codes, no host sync) gives every row to the Triton kernel instead (the two kernels' offs copies).
 
 Measured on the H200 (round 17, ``docs/ops/fp4_grouped_gemm.md``): 1.04-1.12x the Triton kernel, the op's path
 for bf16 x on sm_90 (``MINIDI_FP4_GEMM_SM90=0`` keeps the Triton kernel); not above the FP8 kernel that pass L
@@ -46,9 +46,8 @@ from dataclasses import dataclass
 
 import torch
 import triton
-import triton.language as tl
 
-from .fp4_fold_device import cached_flag, gate_offs
+from .fp4_fold_device import code_range_gate
 from .fp8_grouped_gemm_sm90 import HAVE_GLUON, gluon_supported
 
 if HAVE_GLUON:
@@ -163,31 +162,10 @@ def decode_ref(w_packed: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
     return torch.where(bits >= 2**15, bits - 2**16, bits).to(torch.int16).view(torch.bfloat16)
 
 
-@triton.jit
-def _code_range_kernel(ws_ptr, bad_ptr, NUMEL, LO: tl.constexpr, HI: tl.constexpr, NAN: tl.constexpr,
-                       BLOCK: tl.constexpr):
-    """*bad_ptr = 1 when some E8M0 code is outside [LO, HI] and not NAN (the decode would not be exact)."""
-    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    c = tl.load(ws_ptr + i, mask=i < NUMEL, other=LO).to(tl.int32)
-    bad = tl.max(((c < LO) | ((c > HI) & (c != NAN))).to(tl.int32), 0)
-    if bad != 0:
-        tl.atomic_max(bad_ptr, bad)
-
-
-def code_range_flag(w_scale: torch.Tensor) -> torch.Tensor:
-    """[1] int32 on the device: 1 when some code of ``w_scale`` is outside [2, 252] and not 255."""
-    codes = w_scale.contiguous().view(torch.uint8).reshape(-1)
-    bad = torch.zeros(1, dtype=torch.int32, device=w_scale.device)
-    block = 4096
-    _code_range_kernel[(max(1, triton.cdiv(codes.numel(), block)),)](codes, bad, codes.numel(), LO=CODE_LO,
-                                                                    HI=CODE_HI, NAN=CODE_NAN, BLOCK=block)
-    return bad
-
-
 def range_gate(w_scale: torch.Tensor, offs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(offs for this kernel, offs for the Triton kernel): ``offs`` and zeros when every code decodes exactly, else
-    the reverse. The flag is computed once per weight-scale tensor (``cached_flag``); a call costs one tiny launch."""
-    return gate_offs(offs, cached_flag("code_range", w_scale, code_range_flag))
+    """(offs for this kernel, offs for the Triton kernel): ``offs`` and zeros when every code decodes exactly (in
+    [2, 252] or 255), else the reverse (``fp4_fold_device.code_range_gate``: a cached device flag, no host sync)."""
+    return code_range_gate(w_scale, offs, CODE_LO, CODE_HI)
 
 
 # ---- kernel --------------------------------------------------------------------------------------------------------

@@ -18,8 +18,10 @@ import torch
 
 from minidi import formats
 from minidi.ops import fp4_grouped_gemm_sm90 as sm90
+from minidi.ops.fp4_fold_device import code_range_flag
 from minidi.ops.fp4_grouped_gemm import fp4_grouped_mm
 
+from .gluon_compile import compile_sm90
 from .test_fp8_grouped_gemm import POISON, abs_mass, fp64_reference, make
 from .test_fp8_grouped_gemm_sm90 import _codes_rows, _pack, _prmt
 
@@ -107,7 +109,7 @@ def test_code_range_flag(bad):
     ws[0, 0, 0], ws[2, 39, 8] = 2, 255  # in range: the extremes and NaN
     if bad is not None:
         ws[1, 17, 4] = bad
-    flag = sm90.code_range_flag(ws.view(torch.float8_e8m0fnu))
+    flag = code_range_flag(ws.view(torch.float8_e8m0fnu), sm90.CODE_LO, sm90.CODE_HI)
     assert flag.dtype == torch.int32 and int(flag) == (bad is not None)
     fast, exact = sm90.range_gate(ws.view(torch.float8_e8m0fnu), torch.tensor([5, 9, 9], dtype=torch.int32))
     assert (fast.tolist(), exact.tolist()) == (([0, 0, 0], [5, 9, 9]) if bad is not None else ([5, 9, 9], [0, 0, 0]))
@@ -144,11 +146,6 @@ def test_opt_out_switch(monkeypatch):
 @pytest.mark.parametrize("cfg", [sm90.EP4, sm90.EP1, sm90.WIDE], ids=["EP4", "EP1", "WIDE"])
 def test_kernel_compiles_for_sm90a_with_pipelined_wgmma(cfg):
     pytest.importorskip("triton.backends.nvidia.compiler")
-    import triton
-    from triton._C.libtriton import native_specialize_impl
-    from triton.backends.compiler import BaseBackend, GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
     e, n, k, r = 4, 512, 512, 512
     x = torch.empty(r, k, dtype=torch.bfloat16)
     wp = torch.empty(e, n, k // 2, dtype=torch.int8)
@@ -157,19 +154,8 @@ def test_kernel_compiles_for_sm90a_with_pipelined_wgmma(cfg):
     consts = dict(BM=cfg.BM, BN=cfg.BN, NS=cfg.NS, E_POW2=512, WM=cfg.WM, WN=cfg.WN, DW=cfg.dec_warps,
                   DEC_REGS=cfg.dec_regs, RPT=cfg.dec_rows, DECODE_ASM=sm90._DECODE_ASM, LO=sm90.CODE_LO,
                   HI=sm90.CODE_HI)
-    fn = sm90._fp4_grouped_mm_sm90
-    sig = {}
-    for name in fn.arg_names:
-        if name in descs:
-            sig[name] = native_specialize_impl(BaseBackend, descs[name], False, True, True)[0]
-        elif name in ptrs:
-            sig[name] = native_specialize_impl(BaseBackend, torch.empty(4, dtype=ptrs[name]), False, True, True)[0]
-        elif name in consts:
-            sig[name] = "constexpr"
-        else:
-            sig[name] = "i32"
-    kern = triton.compile(GluonASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=4 * cfg.WM * cfg.WN, maxnreg=cfg.maxnreg))
+    kern = compile_sm90(sm90._fp4_grouped_mm_sm90, descs, ptrs, consts, num_warps=4 * cfg.WM * cfg.WN,
+                        maxnreg=cfg.maxnreg)
     ptx = kern.asm["ptx"]
     shape = f"m64n{cfg.BN // cfg.WN}k16"
     assert len(re.findall(rf"wgmma\.mma_async\.sync\.aligned\.{shape}\.f32\.bf16\.bf16", ptx)) == 4  # 4 x k16
@@ -233,7 +219,7 @@ def test_gpu_op_takes_the_sm90_path_and_hands_out_of_range_codes_to_triton(monke
     ws2 = ws.view(torch.uint8).clone()
     ws2[2, 5, 0] = 1  # one tiny block: the exponent-add decode would not be exact
     ws2 = ws2.view(torch.float8_e8m0fnu)
-    assert int(sm90.code_range_flag(ws2)) == 1
+    assert int(code_range_flag(ws2, sm90.CODE_LO, sm90.CODE_HI)) == 1
     out = fp4_grouped_mm(x, wp, ws2, offs)  # the Triton kernel, every row
     _assert_close(out, *_reference(x, wp, ws2, offs))
 

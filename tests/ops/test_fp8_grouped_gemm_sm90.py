@@ -20,6 +20,7 @@ from minidi import formats
 from minidi.ops import fp8_grouped_gemm_sm90 as sm90
 from minidi.ops.fp8_grouped_gemm import fp8_fp4_grouped_mm, fp8_fp4_grouped_mm_ref
 
+from .gluon_compile import compile_sm90
 from .test_fp8_grouped_gemm import POISON, abs_mass, assert_close, fp64_reference, make
 
 gpu = pytest.mark.gpu
@@ -154,11 +155,6 @@ def test_module_is_inert_without_a_hopper_gpu():
 @pytest.mark.parametrize("cfg", [sm90.EP4, sm90.EP1], ids=["EP4", "EP1"])
 def test_kernel_compiles_for_sm90a_with_pipelined_wgmma(cfg):
     pytest.importorskip("triton.backends.nvidia.compiler")
-    import triton
-    from triton._C.libtriton import native_specialize_impl
-    from triton.backends.compiler import BaseBackend, GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
     e, n, k, r = 4, 256, 512, 512
     q = torch.empty(r, k, dtype=torch.float8_e4m3fn)
     wp = torch.empty(e, n, k // 2, dtype=torch.int8)
@@ -168,19 +164,8 @@ def test_kernel_compiles_for_sm90a_with_pipelined_wgmma(cfg):
     consts = dict(BM=cfg.BM, BN=cfg.BN, NS=cfg.NS, E_POW2=512, WM=cfg.WM, WN=cfg.WN, PIPE=cfg.PIPE, ABLATE=0, U=2,
                   DW=cfg.dec_warps,
                   DEC_REGS=cfg.dec_regs, DECODE_ASM=sm90._DECODE_ASM, LUT0=sm90._LUT0, LUT1=sm90._LUT1)
-    fn = sm90._fp8_fp4_grouped_mm_sm90
-    sig = {}
-    for name in fn.arg_names:
-        if name in descs:
-            sig[name] = native_specialize_impl(BaseBackend, descs[name], False, True, True)[0]
-        elif name in ptrs:
-            sig[name] = native_specialize_impl(BaseBackend, torch.empty(4, dtype=ptrs[name]), False, True, True)[0]
-        elif name in consts:
-            sig[name] = "constexpr"
-        else:
-            sig[name] = "i32"
-    kern = triton.compile(GluonASTSource(fn, sig, {c: consts[c] for c in consts}), target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=4 * cfg.WM * cfg.WN, maxnreg=cfg.maxnreg))
+    kern = compile_sm90(sm90._fp8_fp4_grouped_mm_sm90, descs, ptrs, consts, num_warps=4 * cfg.WM * cfg.WN,
+                        maxnreg=cfg.maxnreg)
     ptx = kern.asm["ptx"]
     assert len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n64k32\.f32\.e4m3\.e4m3", ptx)) == 16
     assert "wgmma.wait_group.sync.aligned 1;" in ptx  # each wait leaves the next MMA in flight
