@@ -16,6 +16,9 @@ R = 24,576 rows either way; rows per expert uniform or skewed (lognormal popular
   Triton 3.6 its Gluon kernel (the default; ``MINIDI_FP4_GEMM_SM90=0`` would keep the Triton kernel;
   ``fp4_grouped_gemm_sm90.py``: exact bf16 weights decoded by other warps, bf16 wgmma, nothing to promote), with
   the device-side code-range gate as the op runs it; ``--bf16-sweep`` other tile configs;
+- bf16 rs: the register-operand Hopper kernel (``fp4_grouped_gemm_sm90_rs.py``: the MMA warpgroups decode their own
+  weights into the registers of a register-operand wgmma, the activations the B operand) on the same bf16 rows;
+  ``--rs-sweep`` other configs;
 - bf16 triton: the op's Triton kernel (``fp4_grouped_gemm.launch``, its default config): the reference every other
   output is checked against;
 - grouped_mm bf16: ``torch._grouped_mm`` on weights dequantised beforehand (dequant not counted).
@@ -42,6 +45,7 @@ from minidi.model.moe import grouped_mm  # noqa: E402
 from minidi.model.quant import fq8  # noqa: E402
 from minidi.ops import fp4_grouped_gemm as fp4_gemm  # noqa: E402
 from minidi.ops import fp4_grouped_gemm_sm90 as bf16_sm90  # noqa: E402
+from minidi.ops import fp4_grouped_gemm_sm90_rs as rs_sm90  # noqa: E402
 from minidi.ops.fp4_grouped_gemm import fp4_dequant_ref, fp4_grouped_mm  # noqa: E402
 from minidi.ops.fp8_grouped_gemm import Fp8GemmConfig, default_config, fp8_fp4_grouped_mm, launch  # noqa: E402
 from minidi.ops.fp8_quant import fq8_split  # noqa: E402
@@ -71,6 +75,8 @@ GLUON_SWEEP = [G(), G(dec_warps=8, dec_regs=48, maxnreg=96), G(NS=3),
 B = bf16_sm90.Bf16Sm90Config
 BF16_SWEEP = [bf16_sm90.EP4, B(BN=128, maxnreg=128, dec_warps=4, dec_regs=80, NS=4), bf16_sm90.WIDE,
               B(dec_rows=2), bf16_sm90.EP1]
+RS = rs_sm90.RsConfig
+RS_SWEEP = [RS(NS=6), RS(NS=8), RS(overlap=False), RS(BT=64, NS=8), RS(BT=64, NS=6)]  # (the default: its own row)
 ABLATIONS = {"sync": dict(PIPE=False), "no_promote": dict(ABLATE=1), "no_decode": dict(ABLATE=2),
              "mma_only": dict(ABLATE=3)}
 
@@ -92,6 +98,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--ablate", action="store_true", help="time the Gluon kernel's ablations on uniform rows")
     ap.add_argument("--gluon-sweep", action="store_true", help="time the GLUON_SWEEP configs on uniform rows")
     ap.add_argument("--bf16-sweep", action="store_true", help="time the BF16_SWEEP configs on uniform rows")
+    ap.add_argument("--rs-sweep", action="store_true", help="time the RS_SWEEP configs on uniform rows")
     ap.add_argument("--no-triton-fp8", action="store_true", help="skip the (slow) Triton fp8 kernel")
     ap.add_argument("--cases", default="EP4,EP1", help="comma list of EP4, EP1")
     ap.add_argument("--paths", default="w13,w2", help="comma list of w13, w2")
@@ -155,6 +162,12 @@ def main(argv: list[str] | None = None) -> dict:
                     timed["gluon_sm90"] = lambda: sm90.launch_sm90(q, s, wp, ws, base, offs, out_g, gcfg)
                     # the op as pass L calls it: the fold decided on the device every call (fold_gate), no host sync
                     timed["op_fold_per_call"] = lambda: fp8_fp4_grouped_mm(q, s, wp, ws, offs, torch.bfloat16)
+                    # the register-operand bf16 kernel (decode in the MMA warps), on the fq8 activations as bf16
+                    rcfg = rs_sm90.default_config(r / e)
+                    out_rs = torch.full_like(ref, float("nan"))
+                    rs_sm90.launch_sm90_rs(x, wp, ws, offs, out_rs, rcfg)
+                    case["rs_check"] = check(out_rs, ref)
+                    timed["bf16_rs"] = lambda: rs_sm90.launch_sm90_rs(x, wp, ws, offs, out_rs, rcfg)
                 if not args.no_triton_fp8:
                     timed["fp8_op"] = lambda: launch(q, s, wp, ws, offs, out, cfg)
                     timed["fp8_op_with_split"] = lambda: launch(*fq8_split(x, 32), wp, ws, offs, out, cfg)
@@ -172,6 +185,13 @@ def main(argv: list[str] | None = None) -> dict:
                 case["bf16_op"].update(check(bf16_out, ref))
                 case["bf16_op"]["sm90_gluon"] = gluon and bf16_sm90.can_run(x, wp)
                 case["bf16_op"]["pct_bf16_peak"] = round(100 * case["bf16_op"]["tflops"] / pk["bf16_tflops"], 1)
+                if "bf16_rs" in case:
+                    rr = case["bf16_rs"]
+                    rr["config"] = rcfg.name()
+                    rr.update(case.pop("rs_check"))
+                    rr["pct_bf16_peak"] = round(100 * rr["tflops"] / pk["bf16_tflops"], 1)
+                    for other in ("bf16_op", "gluon_sm90", "grouped_mm_bf16"):
+                        rr[f"x_vs_{other}"] = round(case[other]["ms"] / rr["ms"], 2)
                 for other in ("bf16_triton", "grouped_mm_bf16", "gluon_sm90"):
                     if other in case:
                         case["bf16_op"][f"x_vs_{other}"] = round(case[other]["ms"] / case["bf16_op"]["ms"], 2)
@@ -218,6 +238,18 @@ def main(argv: list[str] | None = None) -> dict:
                         except Exception as err:  # a config that does not compile / fit: report it
                             row["error"] = f"{type(err).__name__}: {str(err)[:200]}"
                         gl_rows.append(row)
+                if gluon and dist == "uniform" and args.rs_sweep:
+                    for vcfg in RS_SWEEP:
+                        row = {"variant": "rs " + vcfg.name(), "config": vcfg.name()}
+                        try:
+                            o = torch.full_like(ref, float("nan"))
+                            rs_sm90.launch_sm90_rs(x, wp, ws, offs, o, vcfg)
+                            row.update(check(o, ref))
+                            t = ms(lambda: rs_sm90.launch_sm90_rs(x, wp, ws, offs, o, vcfg))
+                            row.update(ms=round(t, 4), tflops=round(flops / t / 1e9, 1))
+                        except Exception as err:  # a config that does not compile / fit: report it
+                            row["error"] = f"{type(err).__name__}: {str(err)[:200]}"
+                        gl_rows.append(row)
                 case["gluon_variants"] = gl_rows
                 sweep = []
                 if args.sweep and dist == "uniform":
@@ -244,7 +276,8 @@ def main(argv: list[str] | None = None) -> dict:
                 gk = case.get("gluon_sm90", {})
                 common.say(f"{ep} {path} {dist:<8} gluon {tf('gluon_sm90')} TFLOP/s ({gk.get('ms', float('nan')):.3f} "
                            f"ms, {gk.get('pct_fp8_peak', '')}% fp8, ok {gk.get('ok', '')}) | op, fold per call "
-                           f"{tf('op_fold_per_call')} | triton fp8 "
+                           f"{tf('op_fold_per_call')} | bf16 rs {tf('bf16_rs')} "
+                           f"(ok {case.get('bf16_rs', {}).get('ok')}) | triton fp8 "
                            f"{tf('fp8_op')} | bf16 op {tf('bf16_op')} (ok {case['bf16_op'].get('ok')}) | bf16 triton "
                            f"{tf('bf16_triton')} | grouped_mm bf16 {tf('grouped_mm_bf16')} | "
                            f"split {case['fq8_split_alone']['gbps']} GB/s")
@@ -254,7 +287,7 @@ def main(argv: list[str] | None = None) -> dict:
                 for row in sweep:
                     common.say(f"    {row['config']:<28} {row.get('tflops', '')!s:>8} {row.get('ok', '')!s:>6} "
                                f"{row.get('error', '')[:80]}")
-                x = q = s = ref = out = out_g = bf16_out = None
+                x = q = s = ref = out = out_g = out_rs = bf16_out = None
             wp = ws = w_bf16 = None
             if not smoke:
                 torch.cuda.empty_cache()

@@ -23,9 +23,11 @@ not 255 (a weight below 2^-125 or above 2^125 is no checkpoint's) decodes to NaN
 weights to this kernel: a device-side flag per weight tensor (``fp4_fold_device.code_range_gate``, one pass over
 the codes, no host sync) gives every row to the Triton kernel instead (the two kernels' offs copies).
 
-Measured on the H200 (round 17, ``docs/ops/fp4_grouped_gemm.md``): 1.04-1.12x the Triton kernel, the op's path
-for bf16 x on sm_90 (``MINIDI_FP4_GEMM_SM90=0`` keeps the Triton kernel); not above the FP8 kernel that pass L
-uses with fake quant (0.90-1.01x), so that stays the served path.
+Measured on the H200 (round 17, ``docs/ops/fp4_grouped_gemm.md``): 1.04-1.12x the Triton kernel, 0.90-1.01x the
+FP8 kernel. Since round 18 the op takes the register-operand kernel (``fp4_grouped_gemm_sm90_rs.py``: the decode in
+the MMA warps, no decoded weights in shared memory) on sm_90; ``MINIDI_FP4_GEMM_SM90=ws`` selects this one, ``=0``
+the Triton kernel. This module also holds what both Hopper kernels share: the code range, the tile schedule, the
+range gate.
 
 Kernel (persistent; the tile schedule of ``_grouped_tiles.py`` rebuilt in Gluon, shared with the FP8 kernel). A tile
 is BM activation rows of one expert x BN weight rows: acc[BM, BN] = x[BM, K] @ W[BN, K]^T, both operands K-major in
@@ -112,13 +114,24 @@ def default_config(rows_per_expert: float) -> Bf16Sm90Config:
     return EP4 if rows_per_expert >= 96 else EP1
 
 
-ENV = "MINIDI_FP4_GEMM_SM90"  # "0": the op keeps its Triton kernel on sm_90 (A/B runs, a suspected kernel bug)
+ENV = "MINIDI_FP4_GEMM_SM90"  # which kernel the op runs on sm_90: "rs" (default), "ws" (this one), "0" (Triton)
+HOPPER_KERNELS = {"rs": "rs", "1": "rs", "ws": "ws", "0": None}
+
+
+def hopper_kernel() -> str | None:
+    """The Gluon kernel ``fp4_grouped_mm`` takes on sm_90: "rs" (``fp4_grouped_gemm_sm90_rs``: the decode in the MMA
+    warps, register-operand wgmma; the default), "ws" (this module's decoder warps) or None (``MINIDI_FP4_GEMM_SM90
+    =0``: the Triton kernel; A/B runs, a suspected kernel bug). ``launch_sm90`` / ``launch_sm90_rs`` run their
+    kernel regardless (tests, benchmarks)."""
+    v = os.environ.get(ENV, "rs")
+    if v not in HOPPER_KERNELS:
+        raise ValueError(f"{ENV}={v!r}: expected one of {sorted(HOPPER_KERNELS)}")
+    return HOPPER_KERNELS[v]
 
 
 def enabled() -> bool:
-    """Whether ``fp4_grouped_mm`` takes this kernel on sm_90 (default yes; ``MINIDI_FP4_GEMM_SM90=0``: the Triton
-    kernel). ``launch_sm90`` runs it regardless (tests, benchmarks)."""
-    return os.environ.get(ENV, "1") != "0"
+    """Whether ``fp4_grouped_mm`` takes a Gluon kernel on sm_90 (``hopper_kernel`` is not None)."""
+    return hopper_kernel() is not None
 
 
 def can_run(x: torch.Tensor, w_packed: torch.Tensor) -> bool:
@@ -449,4 +462,4 @@ def launch_sm90(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor, 
 
 
 __all__ = ["Bf16Sm90Config", "EP1", "EP4", "can_run", "decode_ref", "decode_tables", "default_config", "enabled",
-           "launch_sm90", "range_gate"]
+           "hopper_kernel", "launch_sm90", "range_gate"]

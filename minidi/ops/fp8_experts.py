@@ -15,18 +15,39 @@ Down (w2; pass H's ``moe_activation`` with fake quant)::
 
 The GEMM takes one scale per 32 along K; an fq8 block of 64 or 128 repeats its scale (exact). Rows past offs[-1] are
 never written, as in the ops these replace.
+
+On sm_90 the same exact products go to bf16 tensor cores instead (``bf16_route``; ``MINIDI_EXPERTS_ROUTE=fp8`` keeps
+the FP8 kernel): the fq8 values are bf16 numbers, and ``fp4_grouped_mm``'s register-operand kernel
+(``fp4_grouped_gemm_sm90_rs``) needs no per-32 promotion. Up: q * s per token (exact, one elementwise kernel),
+gathered as bf16 rows; down: pass H's ``moe_activation`` (the fq8 values in bf16).
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 
+from . import fp4_grouped_gemm_sm90 as sm90
+from . import fp4_grouped_gemm_sm90_rs as sm90_rs
+from .fp4_grouped_gemm import fp4_grouped_mm
 from .fp8_grouped_gemm import fp8_fp4_grouped_mm
 from .fp8_quant import fq8_split
-from .moe_activation import moe_activation_fp8
+from .moe_activation import moe_activation, moe_activation_fp8
 from .moe_gather import gather_rows
 
 GEMM_BLOCK = 32  # the FP8 GEMM's activation scale block along K (= the FP4 weights' block)
+ROUTE_ENV = "MINIDI_EXPERTS_ROUTE"  # "bf16" (default): on sm_90 the register-operand bf16 kernel; "fp8": the FP8 one
+
+
+def bf16_route(x: torch.Tensor, w_packed: torch.Tensor, out_dtype: torch.dtype) -> bool:
+    """Whether the experts' GEMMs take ``fp4_grouped_mm`` on the fq8 values in bf16: bf16 activations and output on
+    an sm_90 device whose op runs the register-operand kernel, unless ``MINIDI_EXPERTS_ROUTE=fp8``."""
+    route = os.environ.get(ROUTE_ENV, "bf16")
+    if route not in ("bf16", "fp8"):
+        raise ValueError(f"{ROUTE_ENV}={route!r}: expected 'bf16' or 'fp8'")
+    return route == "bf16" and x.dtype == out_dtype == torch.bfloat16 and sm90.hopper_kernel() == "rs" \
+        and sm90_rs.can_run(x, w_packed)
 
 
 def _per_gemm_block(s: torch.Tensor, block: int) -> torch.Tensor:
@@ -51,6 +72,10 @@ def fp8_experts_up(x: torch.Tensor, idx: torch.Tensor, offs: torch.Tensor, block
         raise ValueError(f"fp8_experts_up: packed and scales must be non-empty lists of one length, got "
                          f"{len(packed)} and {len(scales)}")
     q, s = fq8_split(x, block, backend=backend)
+    if bf16_route(x, packed[0], out_dtype):  # q * s: the fq8 values, exactly (e4m3 times a power of two)
+        xq = (q.to(torch.float32) * s.repeat_interleave(block, dim=-1)).to(x.dtype)
+        rows = gather_rows(xq, idx, offs, backend=backend)
+        return [fp4_grouped_mm(rows, p, sc, offs, backend=backend) for p, sc in zip(packed, scales)]
     qg = gather_rows(q, idx, offs, backend=backend)
     sg = gather_rows(_per_gemm_block(s, block), idx, offs, backend=backend)
     return [fp8_fp4_grouped_mm(qg, sg, p, sc, offs, out_dtype, backend=backend) for p, sc in zip(packed, scales)]
@@ -62,5 +87,8 @@ def fp8_experts_down(g: torch.Tensor, v: torch.Tensor, ws: torch.Tensor, offs: t
     """fp4_grouped_mm(moe_activation(g, v, ws, offs, limit, block), packed, scale, offs) with the GEMM on FP8
     tensor cores: [R, N] ``out_dtype``, rows past offs[-1] unwritten."""
     _check_block(block, "fp8_experts_down")
+    if bf16_route(g, packed, out_dtype):
+        return fp4_grouped_mm(moe_activation(g, v, ws, offs, limit, block, backend=backend), packed, scale, offs,
+                              backend=backend)
     q, s = moe_activation_fp8(g, v, ws, offs, limit, block, backend=backend)
     return fp8_fp4_grouped_mm(q, _per_gemm_block(s, block), packed, scale, offs, out_dtype, backend=backend)

@@ -29,3 +29,60 @@ def compile_sm90(fn: Any, descs: dict[str, Any], ptrs: dict[str, torch.dtype], c
             sig[name] = "i32"
     return triton.compile(GluonASTSource(fn, sig, {c: consts[c] for c in consts}), target=GPUTarget("cuda", 90, 32),
                           options=options)
+
+
+def sass(kern: Any) -> str:
+    """The SASS of a compiled kernel (Triton's bundled cuobjdump on its cubin)."""
+    import subprocess
+    import tempfile
+
+    from triton import knobs
+
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kern.asm["cubin"])
+        f.flush()
+        return subprocess.run([knobs.nvidia.cuobjdump.path, "-sass", f.name], capture_output=True, text=True,
+                              check=True).stdout
+
+
+def inflight_a_writes(sass_text: str) -> tuple[int, list[str]]:
+    """Register-operand wgmma hazard check on SASS: for each group of ``HGMMA`` ending in ``gsb0``, the
+    instructions that write one of its A registers before the next ``WARPGROUP.DEPBAR`` (following backward branches,
+    i.e. into the next loop iteration). The wgmma reads those registers until it completes; ptxas 12.8-13.4 may
+    allocate other values over them (round 18). Returns (number of groups, offending instructions)."""
+    import re
+
+    text, addr = [], []
+    for line in sass_text.splitlines():
+        m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s*(.*?)\s*;", line)
+        if m:
+            addr.append(int(m.group(1), 16))
+            text.append(m.group(2))
+    where = {a: i for i, a in enumerate(addr)}
+
+    def dest(ins: str) -> str | None:
+        t = ins.split()
+        t = t[1:] if t and t[0].startswith("@") else t
+        return t[1].rstrip(",") if len(t) > 1 else None
+
+    groups, regs = [], set()
+    for i, ins in enumerate(text):
+        m = re.match(r"HGMMA\.\S+ R\d+, R(\d+),", ins)
+        if m:
+            regs |= {f"R{int(m.group(1)) + j}" for j in range(4)}
+            if "gsb0" in ins:
+                groups.append((i, regs))
+                regs = set()
+    bad = []
+    for end, regs in groups:
+        i, seen = end + 1, set()
+        while i < len(text) and i not in seen and "DEPBAR" not in text[i]:
+            seen.add(i)
+            if dest(text[i]) in regs:
+                bad.append(text[i])
+            m = re.match(r"(@!?U?P\w+ )?BRA (0x[0-9a-f]+)", text[i])
+            if m and int(m.group(2), 16) in where and (not m.group(1) or int(m.group(2), 16) < addr[i]):
+                i = where[int(m.group(2), 16)]  # an unconditional jump, or a loop's back-edge
+            else:
+                i += 1
+    return len(groups), bad

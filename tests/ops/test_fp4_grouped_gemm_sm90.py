@@ -136,9 +136,13 @@ def test_a_config_over_the_register_file_is_refused_clearly():
 
 def test_opt_out_switch(monkeypatch):
     monkeypatch.delenv(sm90.ENV, raising=False)
-    assert sm90.enabled()
-    monkeypatch.setenv(sm90.ENV, "0")
-    assert not sm90.enabled()
+    assert sm90.enabled() and sm90.hopper_kernel() == "rs"  # the register-operand kernel by default (round 18)
+    for value, kernel in (("rs", "rs"), ("1", "rs"), ("ws", "ws"), ("0", None)):
+        monkeypatch.setenv(sm90.ENV, value)
+        assert sm90.hopper_kernel() == kernel and sm90.enabled() == (kernel is not None)
+    monkeypatch.setenv(sm90.ENV, "fast")
+    with pytest.raises(ValueError, match="MINIDI_FP4_GEMM_SM90='fast'"):
+        sm90.hopper_kernel()
 
 
 # ---- compiles for sm_90a on the CPU (Triton's compiler and ptxas need no GPU) -----------------------------------

@@ -12,6 +12,7 @@ import torch
 
 from minidi.model.quant import fq8, quantize_fp4
 from minidi.ops.fp4_grouped_gemm import fp4_grouped_mm
+from minidi.ops import fp8_experts
 from minidi.ops.fp8_experts import fp8_experts_down, fp8_experts_up
 from minidi.ops.fp4_fold_device import cached_fold_rows, fold_gate
 from minidi.ops.fp8_grouped_gemm_sm90 import fold_fp4_rows
@@ -91,6 +92,20 @@ def test_down_equals_the_bf16_path(dtype):
     a = moe_activation(g, v, ws, offs, 7.0, 32, backend="ref")
     want = fp4_grouped_mm(a.float(), p, s, offs, backend="ref")
     close(y[:10], want[:10], dtype)
+
+
+def test_route_switch(monkeypatch):
+    """The bf16 route needs bf16 in and out and sm_90's register-operand kernel (never taken on the CPU); a bad
+    value of the switch is named."""
+    x = torch.zeros(4, 128, dtype=torch.bfloat16)
+    wp = torch.zeros(2, 8, 64, dtype=torch.int8)
+    monkeypatch.delenv(fp8_experts.ROUTE_ENV, raising=False)
+    assert fp8_experts.bf16_route(x, wp, torch.bfloat16) is False  # CPU tensors
+    monkeypatch.setenv(fp8_experts.ROUTE_ENV, "fp8")
+    assert fp8_experts.bf16_route(x, wp, torch.bfloat16) is False
+    monkeypatch.setenv(fp8_experts.ROUTE_ENV, "fp16")
+    with pytest.raises(ValueError, match="MINIDI_EXPERTS_ROUTE='fp16'"):
+        fp8_experts.bf16_route(x, wp, torch.bfloat16)
 
 
 def test_bad_block_is_named():
@@ -213,9 +228,11 @@ def test_fold_cache_follows_the_tensor_and_its_version():
 
 
 @gpu
-def test_gpu_up_and_down_match_the_bf16_path():
+@pytest.mark.parametrize("route", ["bf16", "fp8"])
+def test_gpu_up_and_down_match_the_bf16_path(route, monkeypatch):
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
+    monkeypatch.setenv(fp8_experts.ROUTE_ENV, route)  # sm_90: the register-operand bf16 kernel, or the FP8 one
     gen = torch.Generator().manual_seed(12)
     t, d, i, e = 300, 512, 256, 8
     x = tokens(t, d, gen, torch.bfloat16).cuda()

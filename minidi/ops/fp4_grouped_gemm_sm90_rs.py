@@ -1,0 +1,361 @@
+"""The register-operand Hopper kernel of ``minidi::fp4_grouped_mm`` (bf16 activations x FP4 weights): the MMA
+warpgroups decode their own weights into the registers of a register-operand wgmma, so the decoded weights never
+touch shared memory (the design of Hopper's mixed-input GEMMs).
+
+Why: the decoder-warp kernel (``fp4_grouped_gemm_sm90.py``, round 17) writes the decoded bf16 weights to shared
+memory and the wgmma reads them back, about 1.8x the shared-memory bytes per FLOP of the FP8 kernel, and stops near
+420 TFLOP/s. Here the tile is computed transposed, acc[BW, BT] = W[BW, K] @ x[BT, K]^T: the weights are the wgmma's
+A operand, from registers; the activations its B operand, from shared memory (TMA); only the packed codes (half a
+byte per weight) pass through shared memory.
+
+Decode (per 4 packed bytes = 8 e2m1 codes, inline PTX, 19 instructions): the magnitudes index two constant 8-byte
+tables of the bf16 bits of the e2m1 grid (``prmt``), the sign bit goes to bit 15, and each bf16 pair is multiplied
+by the block's scale 2^(c - 127) as bf16 (``mul.rn.bf16x2``): exact, because an e2m1 value times 2^k is a normal
+bf16 number for c in [2, 252] (``CODE_LO``, ``CODE_HI``); c = 255 multiplies by NaN. Other codes go to the Triton
+kernel (the op's device-side range gate, as for the decoder-warp kernel).
+
+Layout: the wgmma's A fragment (m64 x k16, bf16) gives the thread with lane 4 g + t rows g and g + 8 of its warp's 16
+and the k pairs 2 t, 2 t + 1 of each 8-wide k chunk, i.e. byte t of every 4 packed bytes. So each thread loads its
+bytes from shared memory with a linear layout (``packed_layout``) whose decoded, joined and reshaped form is the
+dot-operand layout itself: the conversion is checked trivial at compile time (no data movement). The 32-byte
+swizzle of the packed tile keeps a warp's 8 rows in distinct banks.
+
+Kernel (persistent; the tile schedule of ``_grouped_tiles.py`` in Gluon, shared with the other Hopper kernels): a tile
+is BT activation rows of one expert x BW = 64 WG weight rows. Partitions share a ring of NS stages of BK = 64:
+- loader (1 warp): TMA of the activation tile [BT, 64] bf16 (128-byte swizzle) and the packed weights [BW, 32] int8;
+- MMA (the default partition, WG warpgroups of 64 weight rows): per stage load the packed bytes and the E8M0 codes
+  (prefetched one stage ahead from global memory) and decode them while the previous stage's MMAs run, wait for
+  those, release their stage, issue this stage's async wgmma group (4 x k16); the epilogue transposes the tile
+  through a layout conversion and stores it with masks.
+
+The register-operand hazard (found on the H200, round 18): ptxas (12.8, and 13.4 as well) treats a wgmma's A
+registers as free once the instruction is issued, while the tensor cores read them until the wgmma completes. With
+one set of A registers carried around the loop, the next stage's address and decode instructions were allocated over
+the in-flight operand: wrong outputs, changing from run to run (128-row tiles; 64-row tiles finished in time). So the
+K loop runs two stages a step, each decoded into its own registers, and each stage's words are kept alive (passed to
+the wait) until the wait that follows the next decode: no register of an in-flight operand is rewritten, which the
+CPU test checks on the compiled SASS (``tests/ops/gluon_compile.inflight_a_writes``). K must be a multiple of 128.
+
+Measured on the H200 (round 18, ``docs/ops/fp4_grouped_gemm.md``): V4.1 EP4 w1/w3 at uniform load 517.6 TFLOP/s
+(4 stages; the FP8 kernel 438.1, the Triton bf16 kernel 393.7, torch's grouped GEMM on pre-dequantised weights 663.6
+in the same run); in the full V4.1 EP4 step the experts' GEMMs take 162.5 ms against the FP8 kernel's 184.8.
+
+Legend: R rows (sorted by expert), E experts, N output columns (weight rows), K input columns, BT activation rows
+per tile (the wgmma's N), BW weight rows per tile, WG MMA warpgroups, NS stages.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from . import fp4_grouped_gemm_sm90 as sm90
+from .fp4_grouped_gemm_sm90 import BK, CODE_HI, CODE_LO, CODE_NAN
+from .fp8_grouped_gemm_sm90 import HAVE_GLUON
+
+if HAVE_GLUON:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                                  warpgroup_mma_init, warpgroup_mma_wait)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from .fp4_grouped_gemm_sm90 import _rows, _schedule
+
+# bf16 bits of the e2m1 magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6: low bytes (table words 0-1), high bytes (2-3)
+E2M1_BF16 = (0x0000, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040, 0x4080, 0x40C0)
+NAN_SCALE = 0x7FC07FC0  # bf16x2 NaN: the scale of code 255
+SMEM_BYTES = 232448  # dynamic shared memory of an sm_90 block (227 KB)
+
+
+def _table_word(values: tuple[int, ...], shift: int) -> int:
+    """Bytes ``(v >> shift) & 0xFF`` of four bf16 patterns as one 32-bit prmt table word (as a signed int32)."""
+    w = sum(((v >> shift) & 0xFF) << (8 * j) for j, v in enumerate(values))
+    return w - (1 << 32) if w >= 1 << 31 else w
+
+
+TABLES = (_table_word(E2M1_BF16[:4], 0), _table_word(E2M1_BF16[4:], 0),
+          _table_word(E2M1_BF16[:4], 8), _table_word(E2M1_BF16[4:], 8))
+
+# 4 packed bytes ($4: byte j = codes 2 j (low nibble), 2 j + 1) -> 4 bf16x2 words ($0..$3: word j = byte j's two
+# weights, low nibble in the low half), each times its byte's scale ($5..$8, bf16x2). Tables are immediates.
+_DECODE_ASM = """{
+.reg .b32 m, mh, q, l0, l1, h0, h1, s0, s1, w0, w1, w2, w3;
+and.b32 m, $4, 0x77777777;
+shr.u32 mh, m, 16;
+prmt.b32 l0, 0x%08X, 0x%08X, m;
+prmt.b32 h0, 0x%08X, 0x%08X, m;
+prmt.b32 l1, 0x%08X, 0x%08X, mh;
+prmt.b32 h1, 0x%08X, 0x%08X, mh;
+shl.b32 q, $4, 4;
+prmt.b32 s0, $4, q, 0x1504;
+prmt.b32 s1, $4, q, 0x3726;
+lop3.b32 h0, s0, 0x80808080, h0, 0xEA;
+lop3.b32 h1, s1, 0x80808080, h1, 0xEA;
+prmt.b32 w0, l0, h0, 0x5140;
+prmt.b32 w1, l0, h0, 0x7362;
+prmt.b32 w2, l1, h1, 0x5140;
+prmt.b32 w3, l1, h1, 0x7362;
+mul.rn.bf16x2 $0, w0, $5;
+mul.rn.bf16x2 $1, w1, $6;
+mul.rn.bf16x2 $2, w2, $7;
+mul.rn.bf16x2 $3, w3, $8;
+}""" % tuple(t & 0xFFFFFFFF for t in (TABLES[0], TABLES[1], TABLES[2], TABLES[3], TABLES[0], TABLES[1], TABLES[2],
+                                      TABLES[3]))
+
+
+@dataclass(frozen=True)
+class RsConfig:
+    BT: int = 128  # activation rows per tile (the wgmma's N)
+    WG: int = 2  # MMA warpgroups, 64 weight rows each (the layouts are built for 2)
+    NS: int = 4  # pipeline stages (BT x 128 + BW x 32 bytes each)
+    maxnreg: int = 168  # per-thread register cap: (WG + 1 padded loader warpgroup) x 128 threads share 64K
+    loader_regs: int = 88  # the loader's schedule vectors without spills
+    overlap: bool = True  # decode a stage while the previous stage's MMAs run (False: one after the other)
+    progs_per_sm: int = 1
+
+    @property
+    def BW(self) -> int:
+        return 64 * self.WG
+
+    def threads(self) -> int:
+        return 128 * (self.WG + 1)
+
+    def smem_bytes(self) -> int:
+        """Stages plus the epilogue's transpose of the bf16 tile (an upper bound of its scratch)."""
+        return self.NS * (self.BT * BK * 2 + self.BW * BK // 2) + self.BT * self.BW * 2 + 1024
+
+    def check(self) -> None:
+        """Clear errors for a config the GPU cannot run."""
+        if self.BT not in (64, 128) or self.WG != 2:  # (128 x 256 would need 128 accumulator registers a thread)
+            raise ValueError(f"fp4_grouped_mm (sm90 rs): {self.name()}: BT must be 64 or 128 with WG = 2")
+        if self.threads() * self.maxnreg > 65536:
+            raise ValueError(f"fp4_grouped_mm (sm90 rs): {self.name()}: {self.threads()} threads x maxnreg "
+                             f"{self.maxnreg} exceed the 65,536 registers of a multiprocessor")
+        if self.smem_bytes() > SMEM_BYTES:
+            raise ValueError(f"fp4_grouped_mm (sm90 rs): {self.name()}: {self.smem_bytes()} bytes of shared memory "
+                             f"exceed {SMEM_BYTES}")
+
+    def name(self) -> str:
+        return f"rs_BT{self.BT}_BW{self.BW}_S{self.NS}_r{self.maxnreg}_p{self.progs_per_sm}" + \
+            ("" if self.overlap else "_serial")
+
+
+EP4 = RsConfig()  # 128 activation rows x 128 weight rows: 2 x m64n128 wgmma per k16 (round 18: 4 stages best)
+EP1 = RsConfig(BT=64, NS=10)  # 64 rows per expert (EP1) fill one tile
+
+
+def default_config(rows_per_expert: float) -> RsConfig:
+    """128-row activation tiles where experts hold >= 96 rows (EP4), else 64 (EP1's 64 rows per expert)."""
+    return EP4 if rows_per_expert >= 96 else EP1
+
+
+# ---- layouts (host-side constexprs) ---------------------------------------------------------------------------------
+def packed_layouts(wg: int) -> tuple:
+    """(2-D layout of the packed tile [BW, 32] bytes, its 3-D form [BW, 2, 16] (blocks of 32 codes)): thread 4 g + t
+    of warp w holds rows 16 w + g, + 8, bytes t + 4 j of each block (j = 0..3, consecutive registers: one 32-bit word
+    for the decode)."""
+    warps = [[16 << i, 0] for i in range(2 + (wg - 1).bit_length())]
+    lanes = [[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]]
+    regs = [[0, 4], [0, 8], [8, 0], [0, 16]]
+    bw = 64 * wg
+    l2 = gl.DistributedLinearLayout(regs, lanes, warps, [], [bw, 32])
+
+    def three(b):
+        return [b[0], b[1] // 16, b[1] % 16]
+
+    l3 = gl.DistributedLinearLayout([three(b) for b in regs], [three(b) for b in lanes], [three(b) for b in warps],
+                                    [], [bw, 2, 16])
+    return l2, l3
+
+
+if HAVE_GLUON:
+    # the packed-tile layouts as global constexprs (not kernel arguments: launch hooks serialise arguments to JSON)
+    _P2, _P3 = (gl.constexpr(lay) for lay in packed_layouts(2))
+
+    @gluon.jit
+    def _rs_loader(x_desc, w_desc, x_bufs, p_bufs, ready, empty, offs_ptr, R, N, E, K, NUM_PROGS,
+                   BT: gl.constexpr, BW: gl.constexpr, NS: gl.constexpr, E_POW2: gl.constexpr):
+        BKC: gl.constexpr = 64
+        pid = gl.program_id(0)
+        starts, cum, m_tiles = _schedule(offs_ptr, R, E, BT, E_POW2, 1)
+        n_tiles = gl.cdiv(N, BW)
+        ksteps = K // BKC
+        i = 0
+        for t in range(pid, m_tiles * n_tiles, NUM_PROGS):
+            e, m0, m_end = _rows(t // n_tiles, starts, cum, BT, E_POW2, 1)
+            wrow = e * N + (t % n_tiles) * BW
+            for ks in range(ksteps):
+                s = i % NS
+                mbarrier.wait(empty.index(s), ((i // NS) & 1) ^ 1)
+                mbarrier.expect(ready.index(s), BT * BKC * 2 + BW * (BKC // 2))
+                tma.async_copy_global_to_shared(x_desc, [m0, ks * BKC], ready.index(s), x_bufs.index(s))
+                tma.async_copy_global_to_shared(w_desc, [wrow, ks * (BKC // 2)], ready.index(s), p_bufs.index(s))
+                i += 1
+
+    @gluon.jit
+    def _scales(ws_ptr, row_off, kb0, P3: gl.constexpr, LO: gl.constexpr, HI: gl.constexpr):
+        """bf16x2 scales 2^(c - 127) of the [BW, 2] blocks at ``kb0`` ([BW, 2, 1], NaN for c = 255; other codes out
+        of [LO, HI] are not sent here by the op's gate)."""
+        LC: gl.constexpr = gl.SliceLayout(2, P3)
+        blk = gl.arange(0, 2, layout=gl.SliceLayout(0, LC))
+        c = gl.load(ws_ptr + row_off[:, None] + kb0 + blk[None, :]).to(gl.int32)
+        s = gl.where(c == 255, 0x7FC07FC0, (c << 7) | (c << 23))
+        return gl.expand_dims(s, 2)
+
+    @gluon.jit
+    def _decode(p_buf, s3, P2: gl.constexpr, P3: gl.constexpr, A_L: gl.constexpr, BW: gl.constexpr,
+                DECODE_ASM: gl.constexpr):
+        """The packed stage [BW, 32] bytes -> the bf16 A operand [BW, 64] in the wgmma's register layout, and the
+        decode's int32 words (bf16 pairs) it is made of."""
+        p = gl.convert_layout(gl.reshape(p_buf.load(P2), [BW, 2, 16]), P3, assert_trivial=True)
+        s = gl.broadcast(s3, p)[0]
+        v = gl.inline_asm_elementwise(DECODE_ASM, "=r,=r,=r,=r,r,r,r,r,r", [p, s], dtype=gl.int32, is_pure=True,
+                                      pack=4)
+        lo = v.to(gl.int16).to(gl.bfloat16, bitcast=True)
+        hi = (v >> 16).to(gl.int16).to(gl.bfloat16, bitcast=True)
+        w = gl.reshape(gl.join(lo, hi), [BW, 64])
+        # (v: the A operand's registers themselves, as the wgmma reads them: the caller keeps them alive)
+        return gl.convert_layout(w, A_L, assert_trivial=True), v
+
+    @gluon.jit
+    def _stage(x_bufs, p_bufs, ready, empty, ws_ptr, row_off, acc, v_other, s3, i, ks, ksteps, NS: gl.constexpr,
+               BW: gl.constexpr, P2: gl.constexpr, P3: gl.constexpr, A_L: gl.constexpr, DECODE_ASM: gl.constexpr,
+               LO: gl.constexpr, HI: gl.constexpr, OVERLAP: gl.constexpr):
+        """One K stage: decode it (the previous stage's MMAs, whose A words are ``v_other``, still running), wait for
+        those and release their stage, issue this one's. Returns (acc, this stage's A words, the next scales, i)."""
+        s = i % NS
+        s_next = _scales(ws_ptr, row_off, gl.minimum(ks + 1, ksteps - 1) * 2, P3, LO, HI)
+        mbarrier.wait(ready.index(s), (i // NS) & 1)
+        a, v = _decode(p_bufs.index(s), s3, P2, P3, A_L, BW, DECODE_ASM)
+        acc, v_other = warpgroup_mma_wait(0, deps=(acc, v_other))
+        if ks > 0:  # (the arrive waits for every warp of the partition: both warpgroups are done)
+            mbarrier.arrive(empty.index((i + NS - 1) % NS), count=1)
+        acc = warpgroup_mma(a, x_bufs.index(s).permute((1, 0)), acc, is_async=True)
+        if not OVERLAP:  # each stage's MMAs finish before the next stage is decoded
+            acc, v = warpgroup_mma_wait(0, deps=(acc, v))
+            acc = warpgroup_mma_init(acc)
+        return acc, v, s_next, i + 1
+
+    @gluon.jit
+    def _rs_consumer(x_bufs, p_bufs, ready, empty, ws_ptr, offs_ptr, out_ptr, R, N, E, K, NUM_PROGS, stride_o,
+                     BT: gl.constexpr, BW: gl.constexpr, NS: gl.constexpr, E_POW2: gl.constexpr, WG: gl.constexpr,
+                     DECODE_ASM: gl.constexpr, LO: gl.constexpr, HI: gl.constexpr, OVERLAP: gl.constexpr):
+        BKC: gl.constexpr = 64
+        P2: gl.constexpr = _P2
+        P3: gl.constexpr = _P3
+        NW: gl.constexpr = 4 * WG
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
+                                                      instr_shape=[16, BT, 16])
+        A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+        OUT_L: gl.constexpr = gl.BlockedLayout([1, 8], [256 // BW, BW // 8], [NW, 1], [1, 0])
+        LR: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, P3))
+        pid = gl.program_id(0)
+        starts, cum, m_tiles = _schedule(offs_ptr, R, E, BT, E_POW2, NW)
+        n_tiles = gl.cdiv(N, BW)
+        ksteps = K // BKC
+        kb = K // 32
+        i = 0
+        for t in range(pid, m_tiles * n_tiles, NUM_PROGS):
+            e, m0, m_end = _rows(t // n_tiles, starts, cum, BT, E_POW2, NW)
+            n0 = (t % n_tiles) * BW
+            # E8M0 code offsets of the tile's weight rows (clamped in bounds; those columns are not stored)
+            row_off = (e * N + gl.minimum(n0 + gl.arange(0, BW, layout=LR), N - 1)).to(gl.int64) * kb
+            acc = warpgroup_mma_init(gl.zeros([BW, BT], gl.float32, mma))
+            s3 = _scales(ws_ptr, row_off, 0, P3, LO, HI)
+            v_odd = gl.zeros([BW, 2, 16], gl.int32, P3)
+            # two stages per iteration, each decoded into its own registers (v_even, v_odd) while the other's MMAs
+            # run: an in-flight A operand stays alive until the wait that follows the next decode, so ptxas cannot
+            # allocate anything over it (it treats wgmma's A registers as free once issued: round 18's H200 run
+            # read clobbered operands when the loop carried one set of registers)
+            for kk in range(ksteps // 2):
+                acc, v_even, s3, i = _stage(x_bufs, p_bufs, ready, empty, ws_ptr, row_off, acc, v_odd, s3, i,
+                                            2 * kk, ksteps, NS, BW, P2, P3, A_L, DECODE_ASM, LO, HI, OVERLAP)
+                acc, v_odd, s3, i = _stage(x_bufs, p_bufs, ready, empty, ws_ptr, row_off, acc, v_even, s3, i,
+                                           2 * kk + 1, ksteps, NS, BW, P2, P3, A_L, DECODE_ASM, LO, HI, OVERLAP)
+            acc, v_odd = warpgroup_mma_wait(0, deps=(acc, v_odd))
+            mbarrier.arrive(empty.index((i + NS - 1) % NS), count=1)
+            o = gl.convert_layout(gl.permute(acc.to(out_ptr.dtype.element_ty), (1, 0)), OUT_L)  # [BT, BW]
+            rows = m0 + gl.arange(0, BT, layout=gl.SliceLayout(1, OUT_L))
+            cols = n0 + gl.arange(0, BW, layout=gl.SliceLayout(0, OUT_L))
+            o_ptrs = out_ptr + rows.to(gl.int64)[:, None] * stride_o + cols[None, :]
+            gl.store(o_ptrs, o, mask=(rows < m_end)[:, None] & (cols < N)[None, :])
+
+    @gluon.jit
+    def _fp4_grouped_mm_sm90_rs(x_desc, w_desc, ws_ptr, offs_ptr, out_ptr, R, N, E, K, NUM_PROGS, stride_o,
+                                BT: gl.constexpr, BW: gl.constexpr, NS: gl.constexpr, E_POW2: gl.constexpr,
+                                WG: gl.constexpr, DECODE_ASM: gl.constexpr, LO: gl.constexpr, HI: gl.constexpr,
+                                LOADER_REGS: gl.constexpr,
+                                OVERLAP: gl.constexpr):
+        BKC: gl.constexpr = 64
+        x_bufs = gl.allocate_shared_memory(gl.bfloat16, [NS, BT, BKC], x_desc.layout)
+        p_bufs = gl.allocate_shared_memory(gl.int8, [NS, BW, BKC // 2], w_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(NS):
+            mbarrier.init(ready.index(s), count=1)
+            mbarrier.init(empty.index(s), count=1)
+        fence_async_shared()
+        gl.warp_specialize([
+            (_rs_consumer, (x_bufs, p_bufs, ready, empty, ws_ptr, offs_ptr, out_ptr, R, N, E, K, NUM_PROGS,
+                            stride_o, BT, BW, NS, E_POW2, WG, DECODE_ASM, LO, HI, OVERLAP)),
+            (_rs_loader, (x_desc, w_desc, x_bufs, p_bufs, ready, empty, offs_ptr, R, N, E, K, NUM_PROGS,
+                          BT, BW, NS, E_POW2)),
+        ], [1], [LOADER_REGS])
+
+
+def can_run(x: torch.Tensor, w_packed: torch.Tensor) -> bool:
+    """The decoder-warp kernel's conditions (bf16 CUDA x on sm_90, Triton 3.6's Gluon, <= 511 experts) and K a
+    multiple of 128 (the K loop takes two stages a step)."""
+    return sm90.can_run(x, w_packed) and x.shape[1] % (2 * BK) == 0
+
+
+def descriptors(x: torch.Tensor, w_packed: torch.Tensor, cfg: RsConfig):
+    """TMA descriptors: activations [R, K] bf16 in [BT, 64] boxes (128-byte swizzle, the wgmma's B layout); packed
+    weights as bytes [E * N, K / 2] in [BW, 32] boxes (32-byte swizzle: a warp's 8 rows in distinct banks)."""
+    e, n = w_packed.shape[:2]
+    k = x.shape[1]
+    x_layout = gl.NVMMASharedLayout.get_default_for([cfg.BT, BK], gl.bfloat16)
+    w_layout = gl.NVMMASharedLayout(swizzle_byte_width=32, element_bitwidth=8, rank=2)
+    w8 = w_packed.view(torch.int8).reshape(e * n, k // 2)
+    return (TensorDescriptor.from_tensor(x, [cfg.BT, BK], x_layout),
+            TensorDescriptor.from_tensor(w8, [cfg.BW, BK // 2], w_layout))
+
+
+def constexprs(cfg: RsConfig, e: int) -> dict:
+    from ._grouped_tiles import e_pow2
+
+    """The kernel's constexpr arguments (plain values: launch hooks serialise them to JSON)."""
+    return dict(BT=cfg.BT, BW=cfg.BW, NS=cfg.NS, E_POW2=e_pow2(e, False), WG=cfg.WG, DECODE_ASM=_DECODE_ASM,
+                LO=CODE_LO, HI=CODE_HI, LOADER_REGS=cfg.loader_regs, OVERLAP=cfg.overlap)
+
+
+def launch_sm90_rs(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor, offs: torch.Tensor,
+                   out: torch.Tensor, config: RsConfig | None = None) -> None:
+    """Checked tensors: x [R, K] bf16, w_packed [E, N, K/2], w_scale [E, N, K/32], offs [E] int32, out [R, N] bf16
+    with unit column stride; every E8M0 code in [2, 252] or 255 (the op's gate). Writes the rows below offs[-1]."""
+    from ._triton_utils import num_sms
+
+    r, k = x.shape
+    e, n = w_packed.shape[:2]
+    if r == 0 or n == 0:
+        return
+    if k % (2 * BK):
+        raise ValueError(f"fp4_grouped_mm (sm90 rs): K = {k} must be a multiple of {2 * BK} (two stages a step)")
+    x = x if x.is_contiguous() and x.data_ptr() % 16 == 0 else x.contiguous()
+    w_packed = w_packed if w_packed.is_contiguous() and w_packed.data_ptr() % 16 == 0 else w_packed.contiguous()
+    w_scale = w_scale.contiguous()
+    cfg = config or default_config(r / e)
+    cfg.check()
+    x_desc, w_desc = descriptors(x, w_packed, cfg)
+    max_tiles = (r // cfg.BT + e) * triton.cdiv(n, cfg.BW)
+    progs = max(1, min(num_sms(x.device) * cfg.progs_per_sm, max_tiles))
+    _fp4_grouped_mm_sm90_rs[(progs,)](
+        x_desc, w_desc, w_scale.view(torch.uint8), offs, out, r, n, e, k, progs, out.stride(0),
+        **constexprs(cfg, e), num_warps=4 * cfg.WG, maxnreg=cfg.maxnreg)
+
+
+__all__ = ["CODE_HI", "CODE_LO", "CODE_NAN", "EP1", "EP4", "RsConfig", "TABLES", "can_run", "constexprs",
+           "default_config", "descriptors", "launch_sm90_rs", "packed_layouts"]
