@@ -13,9 +13,9 @@ R = 24,576 rows either way; rows per expert uniform or skewed (lognormal popular
 - fp8 op + split: the same with ``fq8_split`` of the rows in the timed call (what a pass that cannot fuse the split
   into the producer costs);
 - bf16 op: ``fp4_grouped_mm`` (weights decoded to bf16 in the kernel) on the fq8 rows in bf16: on sm_90 with
-  Triton 3.6 its Gluon kernel (the default; ``MINIDI_FP4_GEMM_SM90=0`` would keep the Triton kernel;
-  ``fp4_grouped_gemm_sm90.py``: exact bf16 weights decoded by other warps, bf16 wgmma, nothing to promote), with
-  the device-side code-range gate as the op runs it; ``--bf16-sweep`` other tile configs;
+  Triton 3.6 its Gluon kernel (``MINIDI_FP4_GEMM_SM90``: "rs", the default since round 18, the register-operand
+  kernel below; "ws", round 17's decoder warps; "0", the Triton kernel), with the device-side code-range gate as the
+  op runs it; ``--bf16-sweep`` the decoder-warp kernel's configs;
 - bf16 rs: the register-operand Hopper kernel (``fp4_grouped_gemm_sm90_rs.py``: the MMA warpgroups decode their own
   weights into the registers of a register-operand wgmma, the activations the B operand) on the same bf16 rows;
   ``--rs-sweep`` other configs;

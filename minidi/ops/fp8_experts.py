@@ -16,10 +16,11 @@ Down (w2; pass H's ``moe_activation`` with fake quant)::
 The GEMM takes one scale per 32 along K; an fq8 block of 64 or 128 repeats its scale (exact). Rows past offs[-1] are
 never written, as in the ops these replace.
 
-On sm_90 the same exact products go to bf16 tensor cores instead (``bf16_route``; ``MINIDI_EXPERTS_ROUTE=fp8`` keeps
-the FP8 kernel): the fq8 values are bf16 numbers, and ``fp4_grouped_mm``'s register-operand kernel
-(``fp4_grouped_gemm_sm90_rs``) needs no per-32 promotion. Up: q * s per token (exact, one elementwise kernel),
-gathered as bf16 rows; down: pass H's ``moe_activation`` (the fq8 values in bf16).
+On sm_90 the same exact products go to bf16 tensor cores instead where that measured faster (``bf16_route``: up to
+192 local experts; ``MINIDI_EXPERTS_ROUTE=bf16`` / ``fp8`` forces either): the fq8 values are bf16 numbers, and
+``fp4_grouped_mm``'s register-operand kernel (``fp4_grouped_gemm_sm90_rs``) needs no per-32 promotion. Up: q * s per
+token (exact, one elementwise kernel), gathered as bf16 rows; down: pass H's ``moe_activation`` (the fq8 values in
+bf16).
 """
 
 from __future__ import annotations
@@ -37,17 +38,22 @@ from .moe_activation import moe_activation, moe_activation_fp8
 from .moe_gather import gather_rows
 
 GEMM_BLOCK = 32  # the FP8 GEMM's activation scale block along K (= the FP4 weights' block)
-ROUTE_ENV = "MINIDI_EXPERTS_ROUTE"  # "bf16" (default): on sm_90 the register-operand bf16 kernel; "fp8": the FP8 one
+ROUTE_ENV = "MINIDI_EXPERTS_ROUTE"  # "auto" (default) | "bf16" | "fp8": which kernel runs the experts on sm_90
+# "auto" takes the bf16 kernel for at most this many local experts: measured faster at 96 (EP4: 1.02-1.18x the FP8
+# kernel), not at 384 (EP1, 64 rows an expert: 0.88-1.05x) (round 18, docs/ops/fp4_grouped_gemm.md)
+BF16_ROUTE_MAX_EXPERTS = 192
 
 
 def bf16_route(x: torch.Tensor, w_packed: torch.Tensor, out_dtype: torch.dtype) -> bool:
     """Whether the experts' GEMMs take ``fp4_grouped_mm`` on the fq8 values in bf16: bf16 activations and output on
-    an sm_90 device whose op runs the register-operand kernel, unless ``MINIDI_EXPERTS_ROUTE=fp8``."""
-    route = os.environ.get(ROUTE_ENV, "bf16")
-    if route not in ("bf16", "fp8"):
-        raise ValueError(f"{ROUTE_ENV}={route!r}: expected 'bf16' or 'fp8'")
-    return route == "bf16" and x.dtype == out_dtype == torch.bfloat16 and sm90.hopper_kernel() == "rs" \
-        and sm90_rs.can_run(x, w_packed)
+    an sm_90 device whose op runs the register-operand kernel, and (route "auto") at most ``BF16_ROUTE_MAX_EXPERTS``
+    local experts; ``MINIDI_EXPERTS_ROUTE=bf16`` / ``fp8`` forces either."""
+    route = os.environ.get(ROUTE_ENV, "auto")
+    if route not in ("auto", "bf16", "fp8"):
+        raise ValueError(f"{ROUTE_ENV}={route!r}: expected 'auto', 'bf16' or 'fp8'")
+    if route == "fp8" or (route == "auto" and w_packed.shape[0] > BF16_ROUTE_MAX_EXPERTS):
+        return False
+    return x.dtype == out_dtype == torch.bfloat16 and sm90.hopper_kernel() == "rs" and sm90_rs.can_run(x, w_packed)
 
 
 def _per_gemm_block(s: torch.Tensor, block: int) -> torch.Tensor:

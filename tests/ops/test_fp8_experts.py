@@ -103,6 +103,8 @@ def test_route_switch(monkeypatch):
     assert fp8_experts.bf16_route(x, wp, torch.bfloat16) is False  # CPU tensors
     monkeypatch.setenv(fp8_experts.ROUTE_ENV, "fp8")
     assert fp8_experts.bf16_route(x, wp, torch.bfloat16) is False
+    monkeypatch.setenv(fp8_experts.ROUTE_ENV, "bf16")
+    assert fp8_experts.bf16_route(x, wp, torch.bfloat16) is False
     monkeypatch.setenv(fp8_experts.ROUTE_ENV, "fp16")
     with pytest.raises(ValueError, match="MINIDI_EXPERTS_ROUTE='fp16'"):
         fp8_experts.bf16_route(x, wp, torch.bfloat16)
