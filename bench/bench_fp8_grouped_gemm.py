@@ -44,6 +44,7 @@ import triton  # noqa: E402
 from minidi.model.moe import grouped_mm  # noqa: E402
 from minidi.model.quant import fq8  # noqa: E402
 from minidi.ops import fp4_grouped_gemm as fp4_gemm  # noqa: E402
+from minidi.ops import fp4_grouped_gemm_hopper as hopper  # noqa: E402
 from minidi.ops import fp4_grouped_gemm_sm90 as bf16_sm90  # noqa: E402
 from minidi.ops import fp4_grouped_gemm_sm90_rs as rs_sm90  # noqa: E402
 from minidi.ops.fp4_grouped_gemm import fp4_dequant_ref, fp4_grouped_mm  # noqa: E402
@@ -81,6 +82,24 @@ ABLATIONS = {"sync": dict(PIPE=False), "no_promote": dict(ABLATE=1), "no_decode"
              "mma_only": dict(ABLATE=3)}
 
 
+def bf16_variants(label: str, configs, kernel, args: tuple, ref: torch.Tensor, flops: float, ms) -> list[dict]:
+    """One row per config of a bf16 Hopper kernel (``kernel(*args, out, config)``): checked against ``ref``, timed;
+    a config that does not compile or fit reports its error."""
+    rows = []
+    for vcfg in configs:
+        row = {"variant": f"{label} {vcfg.name()}", "config": vcfg.name()}
+        try:
+            o = torch.full_like(ref, float("nan"))
+            kernel(*args, o, vcfg)
+            row.update(check(o, ref))
+            t = ms(lambda: kernel(*args, o, vcfg))
+            row.update(ms=round(t, 4), tflops=round(flops / t / 1e9, 1))
+        except Exception as err:  # a config that does not compile / fit: report it
+            row["error"] = f"{type(err).__name__}: {str(err)[:200]}"
+        rows.append(row)
+    return rows
+
+
 def fp8_peak_tflops(device: str) -> float:
     m = 8192
     a = torch.randn(m, m, device=device).to(torch.float8_e4m3fn)
@@ -108,8 +127,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     smoke = args.smoke
     device = "cpu" if smoke else "cuda"
-    if not smoke:  # the op's Hopper Gluon path (fp4_grouped_gemm_sm90.enabled), as the op runs it by default
-        os.environ[bf16_sm90.ENV] = "1"
+    if not smoke:  # the op's Hopper Gluon path (fp4_grouped_gemm_hopper.hopper_kernel), as the op runs it by default
+        os.environ[hopper.ENV] = "rs"
     t0 = time.perf_counter()
     torch.manual_seed(args.seed)
     gen = torch.Generator().manual_seed(args.seed)
@@ -183,7 +202,7 @@ def main(argv: list[str] | None = None) -> dict:
                 case["fq8_split_alone"]["gbps"] = round(r * k * (2 + 1 + 4 / 32) / case["fq8_split_alone"]["ms"] / 1e6)
                 fp8_peak = pk.get("fp8_tflops", 1)
                 case["bf16_op"].update(check(bf16_out, ref))
-                case["bf16_op"]["sm90_gluon"] = gluon and bf16_sm90.can_run(x, wp)
+                case["bf16_op"]["sm90_gluon"] = gluon and hopper.can_run(x, wp)
                 case["bf16_op"]["pct_bf16_peak"] = round(100 * case["bf16_op"]["tflops"] / pk["bf16_tflops"], 1)
                 if "bf16_rs" in case:
                     rr = case["bf16_rs"]
@@ -226,30 +245,11 @@ def main(argv: list[str] | None = None) -> dict:
                         except Exception as err:  # a config that does not compile / fit: report it
                             row["error"] = f"{type(err).__name__}: {str(err)[:200]}"
                         gl_rows.append(row)
-                if gluon and dist == "uniform" and args.bf16_sweep:
-                    for vcfg in BF16_SWEEP:
-                        row = {"variant": "bf16 " + vcfg.name(), "config": vcfg.name()}
-                        try:
-                            o = torch.full_like(ref, float("nan"))
-                            bf16_sm90.launch_sm90(x, wp, ws, offs, o, vcfg)
-                            row.update(check(o, ref))
-                            t = ms(lambda: bf16_sm90.launch_sm90(x, wp, ws, offs, o, vcfg))
-                            row.update(ms=round(t, 4), tflops=round(flops / t / 1e9, 1))
-                        except Exception as err:  # a config that does not compile / fit: report it
-                            row["error"] = f"{type(err).__name__}: {str(err)[:200]}"
-                        gl_rows.append(row)
-                if gluon and dist == "uniform" and args.rs_sweep:
-                    for vcfg in RS_SWEEP:
-                        row = {"variant": "rs " + vcfg.name(), "config": vcfg.name()}
-                        try:
-                            o = torch.full_like(ref, float("nan"))
-                            rs_sm90.launch_sm90_rs(x, wp, ws, offs, o, vcfg)
-                            row.update(check(o, ref))
-                            t = ms(lambda: rs_sm90.launch_sm90_rs(x, wp, ws, offs, o, vcfg))
-                            row.update(ms=round(t, 4), tflops=round(flops / t / 1e9, 1))
-                        except Exception as err:  # a config that does not compile / fit: report it
-                            row["error"] = f"{type(err).__name__}: {str(err)[:200]}"
-                        gl_rows.append(row)
+                sweeps = ((args.bf16_sweep, "bf16", BF16_SWEEP, bf16_sm90.launch_sm90),
+                          (args.rs_sweep, "rs", RS_SWEEP, rs_sm90.launch_sm90_rs))
+                for wanted_sweep, label, configs, kernel in sweeps:
+                    if gluon and dist == "uniform" and wanted_sweep:
+                        gl_rows += bf16_variants(label, configs, kernel, (x, wp, ws, offs), ref, flops, ms)
                 case["gluon_variants"] = gl_rows
                 sweep = []
                 if args.sweep and dist == "uniform":

@@ -1,6 +1,6 @@
 """The sm_90 expert GEMMs' per-weight-tensor checks decided on the device, with no host sync: the FP8 kernel's
 weight-scale fold (``fp8_grouped_gemm.fp8_fp4_grouped_mm`` uses it when it is not given a base) and the bf16
-kernel's code range (``fp4_grouped_gemm_sm90.range_gate``), cached per weight tensor (``cached_flag``), and the
+kernel's code range (``fp4_grouped_gemm_hopper.range_gate``), cached per weight tensor (``cached_flag``), and the
 two offs copies that pick the fast or the exact kernel (``gate_offs``).
 
 ``fold_fp4_rows`` (``fp8_grouped_gemm_sm90.py``) gives the per-row base, or None when a row cannot fold: one host

@@ -51,6 +51,7 @@ import triton.language as tl
 
 from minidi.formats import FP4_BLOCK, dequant_fp4
 
+from . import fp4_grouped_gemm_hopper as hopper
 from . import fp4_grouped_gemm_sm90 as sm90
 from . import fp4_grouped_gemm_sm90_rs as sm90_rs
 from .fp4_grouped_gemm_configs import (DECODES, SCALED_EP1, SCALED_EP4, SCALED_SMALL, Fp4GemmConfig,  # noqa: F401
@@ -365,13 +366,13 @@ def _fp4_grouped_mm_op(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.T
     x, w_packed, w_scale = _unit_last(x), _unit_last(w_packed), _unit_last(w_scale)
     out = torch.empty(x.shape[0], w_packed.shape[1], dtype=x.dtype, device=x.device)
     offs = offs.contiguous()
-    hopper = sm90.hopper_kernel()
-    if hopper == "rs" and not sm90_rs.can_run(x, w_packed):
-        hopper = "ws"  # (K not a multiple of 128)
-    if hopper and sm90.can_run(x, w_packed):  # Hopper, bf16 x: a Gluon kernel, unless some E8M0 code would not
+    kernel = hopper.hopper_kernel()
+    if kernel == "rs" and not sm90_rs.can_run(x, w_packed):
+        kernel = "ws"  # (K not a multiple of 128)
+    if kernel and hopper.can_run(x, w_packed):  # Hopper, bf16 x: a Gluon kernel, unless some E8M0 code would not
         # decode exactly
-        fast_offs, offs = sm90.range_gate(w_scale, offs)  # decided on the device: no host sync
-        launch = sm90_rs.launch_sm90_rs if hopper == "rs" else sm90.launch_sm90
+        fast_offs, offs = hopper.range_gate(w_scale, offs)  # decided on the device: no host sync
+        launch = sm90_rs.launch_sm90_rs if kernel == "rs" else sm90.launch_sm90
         launch(x, w_packed, w_scale, fast_offs, out)  # then the Triton kernel below runs no tile
     _launch_with_fallback(x, w_packed, w_scale, offs, out)
     return out

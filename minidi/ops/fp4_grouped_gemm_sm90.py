@@ -26,8 +26,8 @@ the codes, no host sync) gives every row to the Triton kernel instead (the two k
 Measured on the H200 (round 17, ``docs/ops/fp4_grouped_gemm.md``): 1.04-1.12x the Triton kernel, 0.90-1.01x the
 FP8 kernel. Since round 18 the op takes the register-operand kernel (``fp4_grouped_gemm_sm90_rs.py``: the decode in
 the MMA warps, no decoded weights in shared memory) on sm_90; ``MINIDI_FP4_GEMM_SM90=ws`` selects this one, ``=0``
-the Triton kernel. This module also holds what both Hopper kernels share: the code range, the tile schedule, the
-range gate.
+the Triton kernel. What both Hopper kernels share (the choice, the code range and its gate, the tile schedule, the
+launch preparation) is in ``fp4_grouped_gemm_hopper.py``.
 
 Kernel (persistent; the tile schedule of ``_grouped_tiles.py`` rebuilt in Gluon, shared with the FP8 kernel). A tile
 is BM activation rows of one expert x BN weight rows: acc[BM, BN] = x[BM, K] @ W[BN, K]^T, both operands K-major in
@@ -43,14 +43,12 @@ NS pipeline stages, DW decoder warps, WM/WN consumer warpgroups along M/N.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
-import triton
 
-from .fp4_fold_device import code_range_gate
-from .fp8_grouped_gemm_sm90 import HAVE_GLUON, gluon_supported
+from .fp4_grouped_gemm_hopper import BK, CODE_HI, CODE_LO, launch_grid, tma_ready
+from .fp8_grouped_gemm_sm90 import HAVE_GLUON
 
 if HAVE_GLUON:
     from triton.experimental import gluon
@@ -59,10 +57,8 @@ if HAVE_GLUON:
                                                                   warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from .fp8_grouped_gemm_sm90 import _add, _sum0
+    from .fp4_grouped_gemm_hopper import _rows, _schedule
 
-BK = 64  # K per stage: one 128-byte swizzled row of bf16
-CODE_LO, CODE_HI, CODE_NAN = 2, 252, 255  # E8M0 codes the exponent-add decode gives exactly (and NaN's)
 D_OFFSETS = (0, -128, 0, 64, 128, 192, 256, 320)  # D[m]: bf16 bits of e2m1(m) * 2^(c - 127) minus c << 7 (m >= 1)
 
 
@@ -114,35 +110,6 @@ def default_config(rows_per_expert: float) -> Bf16Sm90Config:
     return EP4 if rows_per_expert >= 96 else EP1
 
 
-ENV = "MINIDI_FP4_GEMM_SM90"  # which kernel the op runs on sm_90: "rs" (default), "ws" (this one), "0" (Triton)
-HOPPER_KERNELS = {"rs": "rs", "1": "rs", "ws": "ws", "0": None}
-
-
-def hopper_kernel() -> str | None:
-    """The Gluon kernel ``fp4_grouped_mm`` takes on sm_90: "rs" (``fp4_grouped_gemm_sm90_rs``: the decode in the MMA
-    warps, register-operand wgmma; the default), "ws" (this module's decoder warps) or None (``MINIDI_FP4_GEMM_SM90
-    =0``: the Triton kernel; A/B runs, a suspected kernel bug). ``launch_sm90`` / ``launch_sm90_rs`` run their
-    kernel regardless (tests, benchmarks)."""
-    v = os.environ.get(ENV, "rs")
-    if v not in HOPPER_KERNELS:
-        raise ValueError(f"{ENV}={v!r}: expected one of {sorted(HOPPER_KERNELS)}")
-    return HOPPER_KERNELS[v]
-
-
-def enabled() -> bool:
-    """Whether ``fp4_grouped_mm`` takes a Gluon kernel on sm_90 (``hopper_kernel`` is not None)."""
-    return hopper_kernel() is not None
-
-
-def can_run(x: torch.Tensor, w_packed: torch.Tensor) -> bool:
-    """bf16 CUDA tensors on an sm_90 device, a tested Triton with Gluon, K a multiple of 64, at most 511 experts."""
-    if not (x.is_cuda and x.dtype == torch.bfloat16 and gluon_supported()):
-        return False
-    if torch.cuda.get_device_capability(x.device) != (9, 0):
-        return False
-    return x.shape[1] % BK == 0 and w_packed.shape[0] <= 511
-
-
 # ---- the decode, in plain torch (the kernel's twin) and its tables ------------------------------------------------
 def decode_tables(codes: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """E8M0 codes (any shape, int) -> (LO0, LO1, HI0, HI1) int64: byte j of LO0 / LO1 is the low byte of the bf16 bits
@@ -173,12 +140,6 @@ def decode_ref(w_packed: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
     hi = torch.where(m < 4, hi0 >> shift, hi1 >> shift) & 0xFF
     bits = lo | ((hi | ((nib & 8) << 4)) << 8)  # [0, 2^16): as int16, the same 16 bits
     return torch.where(bits >= 2**15, bits - 2**16, bits).to(torch.int16).view(torch.bfloat16)
-
-
-def range_gate(w_scale: torch.Tensor, offs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(offs for this kernel, offs for the Triton kernel): ``offs`` and zeros when every code decodes exactly (in
-    [2, 252] or 255), else the reverse (``fp4_fold_device.code_range_gate``: a cached device flag, no host sync)."""
-    return code_range_gate(w_scale, offs, CODE_LO, CODE_HI)
 
 
 # ---- kernel --------------------------------------------------------------------------------------------------------
@@ -226,29 +187,6 @@ if HAVE_GLUON:
         hi0 = gl.where(bad, 0x7F7F7F7F, hi0)
         hi1 = gl.where(bad, 0x7F7F7F7F, hi1)
         return lo0, lo1, hi0, hi1
-
-    @gluon.jit
-    def _schedule(offs_ptr, R, E, BM: gl.constexpr, E_POW2: gl.constexpr, NW: gl.constexpr):
-        """Per expert (E_POW2 >= E + 1 entries): its first row (clamped to [0, R]; entry E is the last expert's end) and
-        the inclusive cumsum of its m-tile counts; and the number of m-tiles. The FP8 kernel's ``_expert_tiles`` with
-        two vectors instead of four (registers: the MMA warpgroups hold them beside a 128-register accumulator)."""
-        lay: gl.constexpr = gl.BlockedLayout([E_POW2 // (32 * NW)], [32], [NW], [0])
-        ei = gl.arange(0, E_POW2, layout=lay)
-        ends = gl.minimum(gl.maximum(gl.load(offs_ptr + ei, mask=ei < E, other=R), 0), R)
-        starts = gl.load(offs_ptr + ei - 1, mask=(ei >= 1) & (ei <= E), other=R)
-        starts = gl.minimum(gl.maximum(gl.where(ei == 0, 0, starts), 0), R)
-        ntile = gl.where(ei < E, (gl.maximum(ends - starts, 0) + BM - 1) // BM, 0)
-        return starts, gl.associative_scan(ntile, 0, _add), _sum0(ntile)
-
-    @gluon.jit
-    def _rows(mt, starts, cum, BM: gl.constexpr, E_POW2: gl.constexpr, NW: gl.constexpr):
-        """m-tile ``mt`` -> (its expert, its first row, the expert's row end)."""
-        lay: gl.constexpr = gl.BlockedLayout([E_POW2 // (32 * NW)], [32], [NW], [0])
-        ei = gl.arange(0, E_POW2, layout=lay)
-        e = _sum0((cum <= mt).to(gl.int32))
-        first = _sum0(gl.where(ei == e - 1, cum, 0))  # m-tiles of the experts before e
-        m0 = _sum0(gl.where(ei == e, starts, 0)) + (mt - first) * BM
-        return e, m0, _sum0(gl.where(ei == e + 1, starts, 0))
 
     @gluon.jit
     def _sub_offset(e, n0, N, kb, j: gl.constexpr, SUB: gl.constexpr, NBK: gl.constexpr, LR: gl.constexpr,
@@ -437,7 +375,6 @@ def launch_sm90(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor, 
     """Checked tensors: x [R, K] bf16, w_packed [E, N, K/2], w_scale [E, N, K/32], offs [E] int32, out [R, N] bf16
     with unit column stride. Writes the rows below offs[-1] of ``out``."""
     from ._grouped_tiles import e_pow2
-    from ._triton_utils import num_sms
 
     r, k = x.shape
     e, n = w_packed.shape[:2]
@@ -445,15 +382,11 @@ def launch_sm90(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor, 
         return
     if k % BK:
         raise ValueError(f"fp4_grouped_mm (sm90): K = {k} must be a multiple of {BK}")
-    # TMA: 16-byte aligned bases and row strides (contiguous copies where not)
-    x = x if x.is_contiguous() and x.data_ptr() % 16 == 0 else x.contiguous()
-    w_packed = w_packed if w_packed.is_contiguous() and w_packed.data_ptr() % 16 == 0 else w_packed.contiguous()
-    w_scale = w_scale.contiguous()
+    x, w_packed, w_scale = tma_ready(x, w_packed, w_scale)
     cfg = config or default_config(r / e)
     cfg.check()
     x_desc, w_desc = descriptors(x, w_packed, cfg)
-    max_tiles = (r // cfg.BM + e) * triton.cdiv(n, cfg.BN)
-    progs = max(1, min(num_sms(x.device) * cfg.progs_per_sm, max_tiles))
+    progs = launch_grid(x, e, n, cfg.BM, cfg.BN, cfg.progs_per_sm)
     _fp4_grouped_mm_sm90[(progs,)](
         x_desc, w_desc, w_scale.view(torch.uint8), offs, out, r, n, e, k, progs, out.stride(0),
         BM=cfg.BM, BN=cfg.BN, NS=cfg.NS, E_POW2=e_pow2(e, False), WM=cfg.WM, WN=cfg.WN, DW=cfg.dec_warps,
@@ -461,5 +394,4 @@ def launch_sm90(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor, 
         num_warps=4 * cfg.WM * cfg.WN, maxnreg=cfg.maxnreg)
 
 
-__all__ = ["Bf16Sm90Config", "EP1", "EP4", "can_run", "decode_ref", "decode_tables", "default_config", "enabled",
-           "hopper_kernel", "launch_sm90", "range_gate"]
+__all__ = ["Bf16Sm90Config", "EP1", "EP4", "decode_ref", "decode_tables", "default_config", "launch_sm90"]

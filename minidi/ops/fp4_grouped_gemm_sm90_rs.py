@@ -49,10 +49,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import triton
 
-from . import fp4_grouped_gemm_sm90 as sm90
-from .fp4_grouped_gemm_sm90 import BK, CODE_HI, CODE_LO, CODE_NAN
+from . import fp4_grouped_gemm_hopper as hopper
+from .fp4_grouped_gemm_hopper import BK, CODE_HI, CODE_LO, CODE_NAN, launch_grid, tma_ready
 from .fp8_grouped_gemm_sm90 import HAVE_GLUON
 
 if HAVE_GLUON:
@@ -62,7 +61,7 @@ if HAVE_GLUON:
                                                                   warpgroup_mma_init, warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from .fp4_grouped_gemm_sm90 import _rows, _schedule
+    from .fp4_grouped_gemm_hopper import _rows, _schedule
 
 # bf16 bits of the e2m1 magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6: low bytes (table words 0-1), high bytes (2-3)
 E2M1_BF16 = (0x0000, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040, 0x4080, 0x40C0)
@@ -307,9 +306,9 @@ if HAVE_GLUON:
 
 
 def can_run(x: torch.Tensor, w_packed: torch.Tensor) -> bool:
-    """The decoder-warp kernel's conditions (bf16 CUDA x on sm_90, Triton 3.6's Gluon, <= 511 experts) and K a
-    multiple of 128 (the K loop takes two stages a step)."""
-    return sm90.can_run(x, w_packed) and x.shape[1] % (2 * BK) == 0
+    """The Hopper kernels' conditions (bf16 CUDA x on sm_90, Triton 3.6's Gluon, <= 511 experts) and K a multiple of
+    128 (the K loop takes two stages a step)."""
+    return hopper.can_run(x, w_packed) and x.shape[1] % (2 * BK) == 0
 
 
 def descriptors(x: torch.Tensor, w_packed: torch.Tensor, cfg: RsConfig):
@@ -325,9 +324,9 @@ def descriptors(x: torch.Tensor, w_packed: torch.Tensor, cfg: RsConfig):
 
 
 def constexprs(cfg: RsConfig, e: int) -> dict:
+    """The kernel's constexpr arguments (plain values: launch hooks serialise them to JSON)."""
     from ._grouped_tiles import e_pow2
 
-    """The kernel's constexpr arguments (plain values: launch hooks serialise them to JSON)."""
     return dict(BT=cfg.BT, BW=cfg.BW, NS=cfg.NS, E_POW2=e_pow2(e, False), WG=cfg.WG, DECODE_ASM=_DECODE_ASM,
                 LO=CODE_LO, HI=CODE_HI, LOADER_REGS=cfg.loader_regs, OVERLAP=cfg.overlap)
 
@@ -336,22 +335,17 @@ def launch_sm90_rs(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tenso
                    out: torch.Tensor, config: RsConfig | None = None) -> None:
     """Checked tensors: x [R, K] bf16, w_packed [E, N, K/2], w_scale [E, N, K/32], offs [E] int32, out [R, N] bf16
     with unit column stride; every E8M0 code in [2, 252] or 255 (the op's gate). Writes the rows below offs[-1]."""
-    from ._triton_utils import num_sms
-
     r, k = x.shape
     e, n = w_packed.shape[:2]
     if r == 0 or n == 0:
         return
     if k % (2 * BK):
         raise ValueError(f"fp4_grouped_mm (sm90 rs): K = {k} must be a multiple of {2 * BK} (two stages a step)")
-    x = x if x.is_contiguous() and x.data_ptr() % 16 == 0 else x.contiguous()
-    w_packed = w_packed if w_packed.is_contiguous() and w_packed.data_ptr() % 16 == 0 else w_packed.contiguous()
-    w_scale = w_scale.contiguous()
+    x, w_packed, w_scale = tma_ready(x, w_packed, w_scale)
     cfg = config or default_config(r / e)
     cfg.check()
     x_desc, w_desc = descriptors(x, w_packed, cfg)
-    max_tiles = (r // cfg.BT + e) * triton.cdiv(n, cfg.BW)
-    progs = max(1, min(num_sms(x.device) * cfg.progs_per_sm, max_tiles))
+    progs = launch_grid(x, e, n, cfg.BT, cfg.BW, cfg.progs_per_sm)
     _fp4_grouped_mm_sm90_rs[(progs,)](
         x_desc, w_desc, w_scale.view(torch.uint8), offs, out, r, n, e, k, progs, out.stride(0),
         **constexprs(cfg, e), num_warps=4 * cfg.WG, maxnreg=cfg.maxnreg)

@@ -29,7 +29,7 @@ import os
 
 import torch
 
-from . import fp4_grouped_gemm_sm90 as sm90
+from . import fp4_grouped_gemm_hopper as hopper
 from . import fp4_grouped_gemm_sm90_rs as sm90_rs
 from .fp4_grouped_gemm import fp4_grouped_mm
 from .fp8_grouped_gemm import fp8_fp4_grouped_mm
@@ -53,7 +53,7 @@ def bf16_route(x: torch.Tensor, w_packed: torch.Tensor, out_dtype: torch.dtype) 
         raise ValueError(f"{ROUTE_ENV}={route!r}: expected 'auto', 'bf16' or 'fp8'")
     if route == "fp8" or (route == "auto" and w_packed.shape[0] > BF16_ROUTE_MAX_EXPERTS):
         return False
-    return x.dtype == out_dtype == torch.bfloat16 and sm90.hopper_kernel() == "rs" and sm90_rs.can_run(x, w_packed)
+    return x.dtype == out_dtype == torch.bfloat16 and hopper.hopper_kernel() == "rs" and sm90_rs.can_run(x, w_packed)
 
 
 def _per_gemm_block(s: torch.Tensor, block: int) -> torch.Tensor:

@@ -17,7 +17,9 @@ import pytest
 import torch
 
 from minidi import formats
+from minidi.ops import fp4_grouped_gemm_hopper as hopper
 from minidi.ops import fp4_grouped_gemm_sm90 as sm90
+from minidi.ops import fp4_grouped_gemm_sm90_rs as rs
 from minidi.ops.fp4_fold_device import code_range_flag
 from minidi.ops.fp4_grouped_gemm import fp4_grouped_mm
 
@@ -26,7 +28,7 @@ from .test_fp8_grouped_gemm import POISON, abs_mass, fp64_reference, make
 from .test_fp8_grouped_gemm_sm90 import _codes_rows, _pack, _prmt
 
 gpu = pytest.mark.gpu
-GOOD_CODES = list(range(sm90.CODE_LO, sm90.CODE_HI + 1)) + [sm90.CODE_NAN]
+GOOD_CODES = list(range(hopper.CODE_LO, hopper.CODE_HI + 1)) + [hopper.CODE_NAN]
 BAD_CODES = [0, 1, 253, 254]
 
 
@@ -77,7 +79,7 @@ def _kernel_tables(c: int) -> tuple[int, int, int, int]:
     lo1 = byte(v[3], 0) | byte(v[4], 1) | byte(v[5], 2) | byte(v[6], 3)
     hi0 = byte(v[0] >> 8, 1) | byte(v[1] >> 8, 2) | byte(v[2] >> 8, 3)
     hi1 = byte(v[3] >> 8, 0) | byte(v[4] >> 8, 1) | byte(v[5] >> 8, 2) | byte(v[6] >> 8, 3)
-    if c < sm90.CODE_LO or c > sm90.CODE_HI:
+    if c < hopper.CODE_LO or c > hopper.CODE_HI:
         return 0xC0C0C0C0, 0xC0C0C0C0, 0x7F7F7F7F, 0x7F7F7F7F
     return lo0 & 0xFFFFFFFF, lo1 & 0xFFFFFFFF, hi0 & 0xFFFFFFFF, hi1 & 0xFFFFFFFF
 
@@ -109,15 +111,15 @@ def test_code_range_flag(bad):
     ws[0, 0, 0], ws[2, 39, 8] = 2, 255  # in range: the extremes and NaN
     if bad is not None:
         ws[1, 17, 4] = bad
-    flag = code_range_flag(ws.view(torch.float8_e8m0fnu), sm90.CODE_LO, sm90.CODE_HI)
+    flag = code_range_flag(ws.view(torch.float8_e8m0fnu), hopper.CODE_LO, hopper.CODE_HI)
     assert flag.dtype == torch.int32 and int(flag) == (bad is not None)
-    fast, exact = sm90.range_gate(ws.view(torch.float8_e8m0fnu), torch.tensor([5, 9, 9], dtype=torch.int32))
+    fast, exact = hopper.range_gate(ws.view(torch.float8_e8m0fnu), torch.tensor([5, 9, 9], dtype=torch.int32))
     assert (fast.tolist(), exact.tolist()) == (([0, 0, 0], [5, 9, 9]) if bad is not None else ([5, 9, 9], [0, 0, 0]))
 
 
 def test_module_is_inert_without_a_hopper_gpu():
     x = torch.zeros(4, 128, dtype=torch.bfloat16)
-    assert sm90.can_run(x, torch.zeros(2, 8, 64, dtype=torch.int8)) is False
+    assert hopper.can_run(x, torch.zeros(2, 8, 64, dtype=torch.int8)) is False
 
 
 @pytest.mark.parametrize("cfg", [sm90.EP4, sm90.EP1], ids=["EP4", "EP1"])
@@ -135,18 +137,18 @@ def test_a_config_over_the_register_file_is_refused_clearly():
 
 
 def test_opt_out_switch(monkeypatch):
-    monkeypatch.delenv(sm90.ENV, raising=False)
-    assert sm90.enabled() and sm90.hopper_kernel() == "rs"  # the register-operand kernel by default (round 18)
+    monkeypatch.delenv(hopper.ENV, raising=False)
+    assert hopper.enabled() and hopper.hopper_kernel() == "rs"  # the register-operand kernel by default (round 18)
     for value, kernel in (("rs", "rs"), ("1", "rs"), ("ws", "ws"), ("0", None)):
-        monkeypatch.setenv(sm90.ENV, value)
-        assert sm90.hopper_kernel() == kernel and sm90.enabled() == (kernel is not None)
-    monkeypatch.setenv(sm90.ENV, "fast")
+        monkeypatch.setenv(hopper.ENV, value)
+        assert hopper.hopper_kernel() == kernel and hopper.enabled() == (kernel is not None)
+    monkeypatch.setenv(hopper.ENV, "fast")
     with pytest.raises(ValueError, match="MINIDI_FP4_GEMM_SM90='fast'"):
-        sm90.hopper_kernel()
+        hopper.hopper_kernel()
 
 
 # ---- compiles for sm_90a on the CPU (Triton's compiler and ptxas need no GPU) -----------------------------------
-@pytest.mark.skipif(not sm90.gluon_supported(), reason="Gluon API of a tested Triton version (3.6) not installed")
+@pytest.mark.skipif(not hopper.gluon_supported(), reason="Gluon API of a tested Triton version (3.6) not installed")
 @pytest.mark.parametrize("cfg", [sm90.EP4, sm90.EP1, sm90.WIDE], ids=["EP4", "EP1", "WIDE"])
 def test_kernel_compiles_for_sm90a_with_pipelined_wgmma(cfg):
     pytest.importorskip("triton.backends.nvidia.compiler")
@@ -156,8 +158,8 @@ def test_kernel_compiles_for_sm90a_with_pipelined_wgmma(cfg):
     descs = dict(zip(("x_desc", "w_desc"), sm90.descriptors(x, wp, cfg)))
     ptrs = dict(ws_ptr=torch.uint8, offs_ptr=torch.int32, out_ptr=torch.bfloat16)
     consts = dict(BM=cfg.BM, BN=cfg.BN, NS=cfg.NS, E_POW2=512, WM=cfg.WM, WN=cfg.WN, DW=cfg.dec_warps,
-                  DEC_REGS=cfg.dec_regs, RPT=cfg.dec_rows, DECODE_ASM=sm90._DECODE_ASM, LO=sm90.CODE_LO,
-                  HI=sm90.CODE_HI)
+                  DEC_REGS=cfg.dec_regs, RPT=cfg.dec_rows, DECODE_ASM=sm90._DECODE_ASM, LO=hopper.CODE_LO,
+                  HI=hopper.CODE_HI)
     kern = compile_sm90(sm90._fp4_grouped_mm_sm90, descs, ptrs, consts, num_warps=4 * cfg.WM * cfg.WN,
                         maxnreg=cfg.maxnreg)
     ptx = kern.asm["ptx"]
@@ -172,7 +174,7 @@ def test_kernel_compiles_for_sm90a_with_pipelined_wgmma(cfg):
 def _gpu_ready() -> None:
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
-    if torch.cuda.get_device_capability() != (9, 0) or not sm90.gluon_supported():
+    if torch.cuda.get_device_capability() != (9, 0) or not hopper.gluon_supported():
         pytest.skip("needs sm_90 and Triton 3.6's Gluon")
 
 
@@ -216,26 +218,27 @@ def test_gpu_sm90_matches_fp64(case, cfg):
 @gpu
 def test_gpu_op_takes_the_sm90_path_and_hands_out_of_range_codes_to_triton(monkeypatch):
     _gpu_ready()
-    monkeypatch.delenv(sm90.ENV, raising=False)
-    assert sm90.enabled()
+    monkeypatch.delenv(hopper.ENV, raising=False)
+    assert hopper.enabled()
     x, q, s, wp, ws, offs = make(4, 256, 512, [100, 0, 37, 200], 0, seed=51, device="cuda")
     _assert_close(fp4_grouped_mm(x, wp, ws, offs), *_reference(x, wp, ws, offs))
     ws2 = ws.view(torch.uint8).clone()
     ws2[2, 5, 0] = 1  # one tiny block: the exponent-add decode would not be exact
     ws2 = ws2.view(torch.float8_e8m0fnu)
-    assert int(code_range_flag(ws2, sm90.CODE_LO, sm90.CODE_HI)) == 1
+    assert int(code_range_flag(ws2, hopper.CODE_LO, hopper.CODE_HI)) == 1
     out = fp4_grouped_mm(x, wp, ws2, offs)  # the Triton kernel, every row
     _assert_close(out, *_reference(x, wp, ws2, offs))
 
 
 @gpu
-def test_gpu_nan_code_gives_nan_columns():
+@pytest.mark.parametrize("launch", [sm90.launch_sm90, rs.launch_sm90_rs], ids=["ws", "rs"])
+def test_gpu_nan_code_gives_nan_columns(launch):
     _gpu_ready()
     x, q, s, wp, ws, offs = make(2, 128, 256, [64, 64], 0, seed=61, device="cuda")
     ws2 = ws.view(torch.uint8).clone()
     ws2[1, 7, 3] = 255
     out = torch.full((128, 128), POISON, dtype=torch.bfloat16, device="cuda")
-    sm90.launch_sm90(x, wp, ws2.view(torch.float8_e8m0fnu), offs, out)
+    launch(x, wp, ws2.view(torch.float8_e8m0fnu), offs, out)
     assert torch.isnan(out[64:, 7]).all() and not torch.isnan(out[:64]).any()
     good = torch.ones(128, 128, dtype=torch.bool)
     good[64:, 7] = False

@@ -8,7 +8,7 @@ are refused clearly; (Triton 3.6 only) the kernel compiles for sm_90a with the d
 dot-operand layout without data movement (checked by Gluon at compile time) and its wgmma left in flight. GPU
 (``gpu`` marker): the kernel vs the fp64 product on fresh random inputs, poisoned outputs, ragged and empty experts,
 rows past offs[-1] untouched, N not a multiple of the tile; repeated runs bitwise equal (no race on the in-flight
-register operand); NaN codes (255) giving NaN columns.
+register operand); NaN codes (255) giving NaN columns (``test_fp4_grouped_gemm_sm90.py``, both Hopper kernels).
 """
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ import pytest
 import torch
 
 from minidi import formats
-from minidi.ops import fp4_grouped_gemm_sm90 as sm90
+from minidi.ops import fp4_grouped_gemm_hopper as hopper
 from minidi.ops import fp4_grouped_gemm_sm90_rs as rs
 
 from .gluon_compile import compile_sm90, inflight_a_writes, sass
-from .test_fp4_grouped_gemm_sm90 import GOOD_CODES, _assert_close, _gpu_ready, _reference
+from .test_fp4_grouped_gemm_sm90 import _assert_close, _gpu_ready, _reference
 from .test_fp8_grouped_gemm import POISON, make
 from .test_fp8_grouped_gemm_sm90 import _prmt
 
@@ -133,7 +133,7 @@ def test_default_config_by_rows_per_expert():
 
 
 # ---- compiles for sm_90a on the CPU (Triton's compiler and ptxas need no GPU) -----------------------------------
-@pytest.mark.skipif(not sm90.gluon_supported(), reason="Gluon API of a tested Triton version (3.6) not installed")
+@pytest.mark.skipif(not hopper.gluon_supported(), reason="Gluon API of a tested Triton version (3.6) not installed")
 @pytest.mark.parametrize("cfg", [rs.EP4, rs.EP1], ids=["EP4", "EP1"])
 def test_kernel_compiles_for_sm90a_with_register_operand_wgmma(cfg):
     pytest.importorskip("triton.backends.nvidia.compiler")
@@ -217,25 +217,6 @@ def test_gpu_rs_at_v41_ep4_shape_repeats_bitwise():
         again = torch.empty_like(out)
         rs.launch_sm90_rs(x, wp, ws, offs, again)
         assert torch.equal(again.view(torch.int16), out.view(torch.int16))
-
-
-@gpu
-def test_gpu_rs_nan_code_gives_nan_columns():
-    _gpu_ready()
-    x, q, s, wp, ws, offs = make(2, 128, 256, [64, 64], 0, seed=61, device="cuda")
-    ws2 = ws.view(torch.uint8).clone()
-    ws2[1, 7, 3] = 255
-    out = torch.full((128, 128), POISON, dtype=torch.bfloat16, device="cuda")
-    rs.launch_sm90_rs(x, wp, ws2.view(torch.float8_e8m0fnu), offs, out)
-    assert torch.isnan(out[64:, 7]).all() and not torch.isnan(out[:64]).any()
-    good = torch.ones(128, 128, dtype=torch.bool)
-    good[64:, 7] = False
-    ref, mass = _reference(x, wp, ws, offs)
-    _assert_close(torch.where(good.cuda(), out, 0), torch.where(good, ref, 0), torch.where(good, mass, 0))
-
-
-def test_good_codes_are_the_kernels_range():
-    assert GOOD_CODES[0] == rs.CODE_LO and GOOD_CODES[-2] == rs.CODE_HI
 
 
 def test_constexpr_arguments_are_plain_values():
