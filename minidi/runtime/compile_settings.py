@@ -25,6 +25,7 @@ from minidi.runtime.exact_cpu import all_cpu, aten_kernels
 
 log = logging.getLogger("minidi.compile")
 
+SCALAR_SIMDLEN = 0  # ``cpp.simdlen`` no vector ISA has: Inductor's CPU code is scalar (``codegen_config``)
 RECOMPILE_LIMITS = ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit",
                      "accumulated_cache_size_limit")
 
@@ -90,7 +91,14 @@ def codegen_config(example_inputs: list, *, autotune: bool, cpu_simd: bool) -> c
     start on 2 cores is 1.28-1.73x faster scalar, its compiled step ~1.5x slower (docs/benchmarks/README.md, round
     14). The results are the same: a faithful CPU graph's reductions and transcendentals run ATen's kernels
     (``exact_cpu``) and the remaining elementwise arithmetic rounds per IEEE op either way. ``True``: Inductor's SIMD
-    code, for CPU runs of many steps."""
+    code, for CPU runs of many steps.
+
+    Scalar is pinned by ``cpp.simdlen = 0`` (no ISA has width 0, so ``pick_vec_isa`` answers "none" for the code
+    generator and for the C++ flags alike, on every call), not by ``cpp.vec_isa_ok = False``: Inductor caches its list
+    of valid ISAs per process at the first call, so in a process whose first CPU compile had SIMD on,
+    ``vec_isa_ok=False`` still generated vector code, stored in the FX graph cache under the scalar key; a process
+    that started scalar then loaded it and compiled it without the vector headers ("'at::vec' has not been
+    declared", CI of round 18). ``simdlen`` is part of the cache key too."""
     import torch._inductor.config as inductor_config
 
     stack = contextlib.ExitStack()
@@ -99,8 +107,8 @@ def codegen_config(example_inputs: list, *, autotune: bool, cpu_simd: bool) -> c
         if hasattr(inductor_config, "deterministic"):
             patch["deterministic"] = True
         patch["triton.autotune_pointwise"] = False
-    if not cpu_simd and all_cpu(example_inputs) and hasattr(inductor_config.cpp, "vec_isa_ok"):
-        patch["cpp.vec_isa_ok"] = False
+    if not cpu_simd and all_cpu(example_inputs):
+        patch["cpp.simdlen"] = SCALAR_SIMDLEN
     if patch:
         stack.enter_context(inductor_config.patch(patch))
     return stack

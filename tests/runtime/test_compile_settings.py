@@ -150,6 +150,26 @@ def test_inductor_rounds_like_eager_with_faithful_rounding():
     assert off[False][0] > 1000, off  # a compile that lost the rounding points is seen
 
 
+def test_scalar_cpu_code_whatever_isa_list_the_process_cached_first():
+    """Inductor caches its list of valid vector ISAs per process at the first call. Scalar mode must make both the
+    code generator and the C++ flags scalar even where that list was filled with SIMD allowed (a stock compile
+    first): under the former ``vec_isa_ok=False`` such a process wrote vector code into the FX graph cache under the
+    scalar key, and a process that started scalar failed to compile it ("'at::vec' has not been declared")."""
+    from torch._inductor import cpu_vec_isa
+
+    from minidi.runtime.compile_settings import codegen_config
+
+    cpu_vec_isa.valid_vec_isa_list.cache_clear()
+    simd = cpu_vec_isa.pick_vec_isa()  # the list filled under the default settings, as a stock compile fills it
+    cpu = [torch.randn(4)]
+    with codegen_config(cpu, autotune=False, cpu_simd=False):
+        assert not cpu_vec_isa.pick_vec_isa()
+    with codegen_config(cpu, autotune=False, cpu_simd=True):
+        assert cpu_vec_isa.pick_vec_isa() == simd
+    with codegen_config([torch.randn(4, device="meta")], autotune=False, cpu_simd=False):
+        assert cpu_vec_isa.pick_vec_isa() == simd  # not an all-CPU graph: nothing patched
+
+
 def test_progress_lines(caplog):
     torch._dynamo.reset()
     seen: list[str] = []
