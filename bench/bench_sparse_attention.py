@@ -45,9 +45,14 @@ VARIANTS = {
     "sm90_ws": dict(impl="gluon"),  # the warp-specialised Gluon kernel (minidi/ops/sparse_attention_sm90.py)
     "sm90_ws_nopad": dict(impl="gluon", xpad=False),  # score exchange without padded rows (8-way bank conflicts)
     "sm90_ws_pipe": dict(impl="gluon", pipe=True, c_regs=224, p_regs=56),  # Q K^T(i+1) overlapping softmax(i)
+    "sm90_split": dict(impl="gluon_split"),  # FlashMLA's split (minidi/ops/sparse_attention_sm90_split.py)
+    "sm90_split_r216": dict(impl="gluon_split", c_regs=216, p_regs=72),  # sparse_attention_sm90's register split
+    "sm90_split_pipe": dict(impl="gluon_split", pipe=True),  # next pair's Q K^T issued before this pair's softmax
+    "sm90_split_pipe_r216": dict(impl="gluon_split", pipe=True, c_regs=216, p_regs=72),
 }
 DEFAULT = "tok_w8_bk64_s2"  # the Triton kernel's default config
 GLUON = "sm90_ws"
+SPLIT = "sm90_split"
 TOL = dict(rtol=2**-7, atol=1e-3)  # one bf16 ulp at the output's scale (|out| ~ 0.1-0.5 here)
 
 
@@ -163,7 +168,7 @@ def main() -> None:
 
     # the default on independent picks: no reuse between neighbouring queries (L2 worst case)
     indep = make_inputs(T, H, D, W, K, churn=K, seed=1)
-    for vname in [v for v in (DEFAULT, GLUON) if v in args.variants.split(",")]:
+    for vname in [v for v in (DEFAULT, GLUON, SPLIT) if v in args.variants.split(",")]:
         try:
             ms = bench_ms(lambda x=indep, c=VARIANTS[vname]: launch(*x, **c))
             rows.append((f"{vname} (independent picks)", ms, True, 0.0, "no neighbour reuse"))
@@ -180,7 +185,7 @@ def main() -> None:
     # compiled as the step compiles them (minidi.compile, no passes, faithful rounding: no FMA contraction)
     rot_q = minidi.compile(lambda x, c, s_: apply_rope(x, c, s_), "none", dynamic=False)
     rot_o = minidi.compile(lambda x, c, s_: apply_rope(x, c, s_, inverse=True), "none", dynamic=False)
-    for vname in [v for v in (DEFAULT, GLUON) if v in args.variants.split(",")]:
+    for vname in [v for v in (DEFAULT, GLUON, SPLIT) if v in args.variants.split(",")]:
         cfg = VARIANTS[vname]
         try:
             fused = launch(*inputs, rope_cos=cos, rope_sin=sin, rope_mode=ROPE_Q | ROPE_OUT, **cfg)

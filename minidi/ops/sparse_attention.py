@@ -1,6 +1,6 @@
 """Sparse attention with a per-head sink, reading key rows by index (FlashMLA-style), as one Triton kernel (the
-interpreter-tested path and the fallback) and, on sm_90, a warp-specialised Gluon kernel (``sparse_attention_sm90.py``,
-chosen by ``launch`` where it can run).
+interpreter-tested path and the fallback) and, on sm_90, warp-specialised Gluon kernels (``sparse_attention_sm90.py``
+and, the default, ``sparse_attention_sm90_split.py``; chosen by ``launch`` where they can run).
 
 Replaces (pass target A, ``minidi.model.sparse_attention.sparse_attention_naive``)::
 
@@ -53,6 +53,7 @@ import triton.language as tl
 from ._sparse_attention_rope import (ROPE_OUT, ROPE_Q, _rope_load, _rope_stage, _rope_store_values, _round_p,
                                      rope_ref)
 from . import sparse_attention_sm90 as sm90
+from . import sparse_attention_sm90_split as sm90_split
 from ._triton_utils import cannot_run, interpreting, mma, num_sms, resolve_backend, round_bf16, triton_can_run
 
 Q_DTYPES = (torch.bfloat16, torch.float32)
@@ -238,6 +239,10 @@ def encode_slots(window_idx: torch.Tensor, comp_idx: torch.Tensor | None, nw: in
     return code
 
 
+SM90_KERNELS = {"gluon": sm90.launch_sm90, "gluon_split": sm90_split.launch_sm90_split}  # impl -> launcher
+SM90_DEFAULT = "gluon_split"  # the Gluon kernel the op takes on sm_90 with no impl asked for (1.09x "gluon", round 19)
+
+
 def launch(q: torch.Tensor, window_kv: torch.Tensor, window_idx: torch.Tensor, comp_kv: torch.Tensor | None,
            comp_idx: torch.Tensor | None, sink: torch.Tensor, scale: float, info: dict | None = None,
            rope_cos: torch.Tensor | None = None, rope_sin: torch.Tensor | None = None, rope_mode: int = 0,
@@ -245,8 +250,9 @@ def launch(q: torch.Tensor, window_kv: torch.Tensor, window_idx: torch.Tensor, c
     """Run the kernel on checked inputs; ``config`` overrides ``default_config`` (the bench compares variants).
 
     ``impl`` in config: "gluon" forces the sm_90 Gluon kernel (``sparse_attention_sm90``; extra keys go to its
-    launcher), "triton" the Triton kernel; unset, the Gluon kernel runs where ``sm90.can_run`` holds and no Triton
-    config was given, else the Triton kernel.
+    launcher), "gluon_split" its sibling with FlashMLA's split of the work (``sparse_attention_sm90_split``),
+    "triton" the Triton kernel; unset, ``SM90_DEFAULT`` of the two Gluon kernels runs where ``sm90.can_run`` holds
+    and no Triton config was given, else the Triton kernel.
 
     ``info``, if given, receives the config used and, on the GPU, the compiled kernel (registers, spills, shared
     memory, and the MMA layouts Triton chose, read from its TTGIR).
@@ -254,8 +260,8 @@ def launch(q: torch.Tensor, window_kv: torch.Tensor, window_idx: torch.Tensor, c
     t, h, d = q.shape
     interp = interpreting()  # CPU tensors, or any tensors under TRITON_INTERPRET=1
     impl = config.pop("impl", None)  # "gluon" (sm_90 kernel), "triton"; None: gluon where it can run, unless
-    if impl not in (None, "gluon", "triton"):  # Triton config knobs were given
-        raise ValueError(f"sparse_attention: impl must be 'gluon' or 'triton', got {impl!r}")
+    if impl not in (None, "triton", *SM90_KERNELS):  # Triton config knobs were given
+        raise ValueError(f"sparse_attention: impl must be one of {['triton', *SM90_KERNELS]}, got {impl!r}")
     cfg = default_config(h, d, q.dtype, not interp) | config
     q = q.contiguous()
     window_kv, window_idx = window_kv.contiguous(), window_idx.contiguous()
@@ -270,15 +276,15 @@ def launch(q: torch.Tensor, window_kv: torch.Tensor, window_idx: torch.Tensor, c
     code = encode_slots(window_idx, comp_idx if k else None, window_kv.shape[0], comp_kv.shape[0])  # [T, W+K]
     out = torch.empty_like(q)
     r2 = rope_cos.shape[-1] if rope_mode else 0
-    if impl != "triton" and not interp and (impl == "gluon" or not config):
+    if impl != "triton" and not interp and (impl in SM90_KERNELS or not config):
         if sm90.can_run(q, window_kv, comp_off, r2) and w + k > 0:
             if rope_mode:
                 rope_cos, rope_sin = rope_cos.contiguous(), rope_sin.contiguous()
             with torch.cuda.device(q.device):
-                sm90.launch_sm90(q, window_kv, code, sink, out, comp_off, scale, rope_cos, rope_sin, rope_mode, info,
-                                 **config)  # impl="gluon" may carry the bench's pipe / c_regs / p_regs
+                SM90_KERNELS[impl or SM90_DEFAULT](q, window_kv, code, sink, out, comp_off, scale, rope_cos, rope_sin,
+                                                   rope_mode, info, **config)  # the bench's knobs, if any
             return out
-        if impl == "gluon":
+        if impl in SM90_KERNELS:
             raise ValueError("sparse_attention: the sm_90 Gluon kernel cannot run here (needs an sm_90 GPU, Triton "
                              "3.6 with Gluon, bf16, D 512, H a multiple of 64, 16-byte aligned caches, 2 r2 <= 256)")
     block_h, block_k, nsplit = cfg["BLOCK_H"], cfg["BLOCK_K"], cfg["nsplit"]

@@ -96,14 +96,66 @@ if HAVE_GLUON:
                                          is_pure=True, pack=1)
 
     @gluon.jit
-    def _producer(kv_ptr, code_ptr, k_smem, k_ready, k_empty, comp_off, n_keys, t,
+    def _q_half(q_ptr, cos_ptr, sin_ptr, t, hb, H, HID: gl.constexpr, D: gl.constexpr, ROPE_Q: gl.constexpr,
+                R2: gl.constexpr):
+        """Columns [HID D/2, (HID+1) D/2) of the block's 64 query rows ([64, D/2] bf16), q's rotation applied to
+        the trailing 2 R2 channels (half 1) as ``rope_ref`` rounds it."""
+        HALF: gl.constexpr = D // 2
+        M: gl.constexpr = 64
+        ld_l: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])  # [64, HALF]
+        rows = gl.arange(0, M, layout=gl.SliceLayout(1, ld_l))
+        cols = HID * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, ld_l))
+        q_rows = (t * H + hb * M + rows).to(gl.int64) * D  # [64]
+        x = gl.load(q_ptr + q_rows[:, None] + cols[None, :])  # [64, HALF] bf16
+        if ROPE_Q:
+            if HID == 1:
+                rot = cols >= D - 2 * R2
+                pair = gl.where(rot, (cols - (D - 2 * R2)) // 2, 0)
+                c = gl.load(cos_ptr + t * R2 + pair, mask=rot, other=1.0)
+                sn = gl.load(sin_ptr + t * R2 + pair, mask=rot, other=0.0)
+                sn = gl.where(cols % 2 == 0, -sn, sn)  # even: x0 c - x1 s; odd: x1 c + x0 s
+                xp = gl.load(q_ptr + q_rows[:, None] + (cols ^ 1)[None, :], mask=rot[None, :], other=0.0)
+                y = _mul_rn(x.to(gl.float32), c[None, :]) + _mul_rn(xp.to(gl.float32), sn[None, :])
+                x = gl.where(rot[None, :], y.to(gl.bfloat16), x)
+        return x
+
+    @gluon.jit
+    def _store_half(out_ptr, sink_ptr, cos_ptr, sin_ptr, acc, l_i, m_i, t, hb, H, HID: gl.constexpr,
+                    D: gl.constexpr, ROPE_OUT: gl.constexpr, R2: gl.constexpr):
+        """The epilogue of the consumer owning D half HID: acc [64, D/2] / (l + exp(sink - m)), rounded to bf16,
+        the output's rope pairs rotated back (half 1), stored."""
+        HALF: gl.constexpr = D // 2
+        M: gl.constexpr = 64
+        o_l: gl.constexpr = acc.type.layout
+        offs_h = hb * M + gl.arange(0, M, layout=m_i.type.layout)
+        sink = gl.load(sink_ptr + offs_h)
+        denom = l_i + gl.exp(sink - m_i)  # no real key: exp(+inf), out = 0
+        out = acc / gl.convert_layout(denom, gl.SliceLayout(1, o_l))[:, None]
+        o_rows = (t * H + hb * M + gl.arange(0, M, layout=gl.SliceLayout(1, o_l))).to(gl.int64) * D
+        o_cols = HID * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, o_l))
+        if ROPE_OUT:
+            if HID == 1:
+                o = out.to(gl.bfloat16).to(gl.float32)  # the model's rounding point, then the rotation
+                x0, x1 = gl.split(gl.reshape(o, [M, HALF // 2, 2]))  # [64, HALF/2] each: even / odd channels
+                d0 = HID * HALF + 2 * gl.arange(0, HALF // 2, layout=gl.SliceLayout(0, x0.type.layout))
+                rot = d0 >= D - 2 * R2
+                pair = gl.where(rot, (d0 - (D - 2 * R2)) // 2, 0)
+                c = gl.load(cos_ptr + t * R2 + pair, mask=rot, other=1.0)[None, :]
+                sn = -gl.load(sin_ptr + t * R2 + pair, mask=rot, other=0.0)[None, :]  # inverse rotation
+                y0 = gl.where(rot[None, :], _mul_rn(x0, c) - _mul_rn(x1, sn), x0)
+                y1 = gl.where(rot[None, :], _mul_rn(x0, sn) + _mul_rn(x1, c), x1)
+                out = gl.convert_layout(gl.reshape(gl.join(y0, y1), [M, HALF]), o_l)
+        gl.store(out_ptr + o_rows[:, None] + o_cols[None, :], out.to(gl.bfloat16))
+
+    @gluon.jit
+    def _producer(kv_ptr, code_ptr, k_smem, k_ready, k_empty, comp_off, n_keys, n_blocks, t,
                   D: gl.constexpr, BK: gl.constexpr, NS: gl.constexpr, PW: gl.constexpr):
+        """Blocks 0 .. n_blocks - 1 of the slot list (slots >= n_keys are empty) into the ring of NS stages."""
         HALF: gl.constexpr = D // 2
         lay: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [PW, 1], [1, 0])  # [BK, HALF]: 16 B per copy
         rows = gl.arange(0, BK, layout=gl.SliceLayout(1, lay))
         cols = gl.arange(0, HALF, layout=gl.SliceLayout(0, lay))
         code_row = code_ptr + t * n_keys
-        n_blocks = gl.cdiv(n_keys, BK)
         code_next = gl.load(code_row + rows, mask=rows < n_keys, other=-1)  # [BK] slot codes, one block ahead
         for i in range(n_blocks):
             s = i % NS
@@ -154,25 +206,10 @@ if HAVE_GLUON:
         o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                       instr_shape=[16, HALF, 16])
         p_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
-        ld_l: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])  # [64, HALF] Q load
 
         # ---- Q half -> shared memory (q's rotation in consumer 1's load) ----
-        rows = gl.arange(0, M, layout=gl.SliceLayout(1, ld_l))
-        cols = HID * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, ld_l))
-        q_rows = (t * H + hb * M + rows).to(gl.int64) * D  # [64]
-        x = gl.load(q_ptr + q_rows[:, None] + cols[None, :])  # [64, HALF] bf16
-        if ROPE_Q:
-            if HID == 1:
-                rot = cols >= D - 2 * R2
-                pair = gl.where(rot, (cols - (D - 2 * R2)) // 2, 0)
-                c = gl.load(cos_ptr + t * R2 + pair, mask=rot, other=1.0)
-                sn = gl.load(sin_ptr + t * R2 + pair, mask=rot, other=0.0)
-                sn = gl.where(cols % 2 == 0, -sn, sn)  # even: x0 c - x1 s; odd: x1 c + x0 s
-                xp = gl.load(q_ptr + q_rows[:, None] + (cols ^ 1)[None, :], mask=rot[None, :], other=0.0)
-                y = _mul_rn(x.to(gl.float32), c[None, :]) + _mul_rn(xp.to(gl.float32), sn[None, :])
-                x = gl.where(rot[None, :], y.to(gl.bfloat16), x)
         q_my = q_smem.index(HID)
-        q_my.store(x)
+        q_my.store(_q_half(q_ptr, cos_ptr, sin_ptr, t, hb, H, HID, D, ROPE_Q, R2))
         fence_async_shared()
         gl.thread_barrier()
 
@@ -230,25 +267,7 @@ if HAVE_GLUON:
                 mbarrier.arrive(k_empty.index(s), count=1)
 
         # ---- epilogue: / (l + exp(sink - m)), bf16, the output's rotation in consumer 1's store ----
-        offs_h = hb * M + gl.arange(0, M, layout=gl.SliceLayout(1, s_l))
-        sink = gl.load(sink_ptr + offs_h)
-        denom = l_i + gl.exp(sink - m_i)  # no real key: exp(+inf), out = 0
-        out = acc / gl.convert_layout(denom, gl.SliceLayout(1, o_l))[:, None]
-        o_rows = (t * H + hb * M + gl.arange(0, M, layout=gl.SliceLayout(1, o_l))).to(gl.int64) * D
-        o_cols = HID * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, o_l))
-        if ROPE_OUT:
-            if HID == 1:
-                o = out.to(gl.bfloat16).to(gl.float32)  # the model's rounding point, then the rotation
-                x0, x1 = gl.split(gl.reshape(o, [M, HALF // 2, 2]))  # [64, HALF/2] each: even / odd channels
-                d0 = HID * HALF + 2 * gl.arange(0, HALF // 2, layout=gl.SliceLayout(0, x0.type.layout))
-                rot = d0 >= D - 2 * R2
-                pair = gl.where(rot, (d0 - (D - 2 * R2)) // 2, 0)
-                c = gl.load(cos_ptr + t * R2 + pair, mask=rot, other=1.0)[None, :]
-                sn = -gl.load(sin_ptr + t * R2 + pair, mask=rot, other=0.0)[None, :]  # inverse rotation
-                y0 = gl.where(rot[None, :], _mul_rn(x0, c) - _mul_rn(x1, sn), x0)
-                y1 = gl.where(rot[None, :], _mul_rn(x0, sn) + _mul_rn(x1, c), x1)
-                out = gl.convert_layout(gl.reshape(gl.join(y0, y1), [M, HALF]), o_l)
-        gl.store(out_ptr + o_rows[:, None] + o_cols[None, :], out.to(gl.bfloat16))
+        _store_half(out_ptr, sink_ptr, cos_ptr, sin_ptr, acc, l_i, m_i, t, hb, H, HID, D, ROPE_OUT, R2)
 
     @gluon.jit
     def _sparse_attention_sm90(q_ptr, kv_ptr, code_ptr, sink_ptr, out_ptr, cos_ptr, sin_ptr, comp_off, H, n_keys,
@@ -288,8 +307,26 @@ if HAVE_GLUON:
             (_consumer, (q_ptr, out_ptr, code_ptr, sink_ptr, cos_ptr, sin_ptr, q_smem, k_smem, x_smem,
                          k_ready, k_empty, s_ready, x_free, t, hb, H, n_keys, scale, 1, D, BK, NS,
                          ROPE_Q, ROPE_OUT, R2, PIPE)),
-            (_producer, (kv_ptr, code_ptr, k_smem, k_ready, k_empty, comp_off, n_keys, t, D, BK, NS, PW)),
+            (_producer, (kv_ptr, code_ptr, k_smem, k_ready, k_empty, comp_off, n_keys, gl.cdiv(n_keys, BK), t,
+                         D, BK, NS, PW)),
         ], [4, PW], [C_REGS, P_REGS])
+
+
+def launch_rope_args(code: torch.Tensor, sink: torch.Tensor, rope_cos: torch.Tensor | None,
+                     rope_sin: torch.Tensor | None, rope_mode: int, what: str) -> tuple:
+    """What both Gluon launchers pass for the rotations: (R2, cos, sin), dummy never-read pointers (sink) without
+    them; refuses a slot list with no slot (the kernels need one key block)."""
+    if code.shape[1] == 0:
+        raise ValueError(f"sparse_attention ({what}): needs at least one key slot")
+    if not rope_mode:
+        return 1, sink, sink
+    return rope_cos.shape[-1], rope_cos, rope_sin
+
+
+def kernel_info(kernel, info: dict) -> None:
+    """The compiled kernel's registers, spills and shared memory into ``info`` (absent under a cache-less launch)."""
+    if kernel is not None:
+        info.update(n_regs=kernel.n_regs, n_spills=kernel.n_spills, shared=kernel.metadata.shared)
 
 
 def launch_sm90(q: torch.Tensor, window_kv: torch.Tensor, code: torch.Tensor, sink: torch.Tensor, out: torch.Tensor,
@@ -303,11 +340,7 @@ def launch_sm90(q: torch.Tensor, window_kv: torch.Tensor, code: torch.Tensor, si
     t, h, d = q.shape
     if t == 0:
         return
-    if code.shape[1] == 0:
-        raise ValueError("sparse_attention (sm90): needs at least one key slot")
-    r2 = rope_cos.shape[-1] if rope_mode else 1
-    if not rope_mode:
-        rope_cos = rope_sin = sink  # dummy (never read) pointers
+    r2, rope_cos, rope_sin = launch_rope_args(code, sink, rope_cos, rope_sin, rope_mode, "sm90")
     kernel = _sparse_attention_sm90[(t * (h // HEADS),)](
         q, window_kv, code, sink, out, rope_cos, rope_sin, comp_off, h, code.shape[1], float(scale),
         D=d, BK=BK, NS=NS, PW=PW, P_REGS=p_regs, C_REGS=c_regs, ROPE_Q=bool(rope_mode & 1),
@@ -315,5 +348,4 @@ def launch_sm90(q: torch.Tensor, window_kv: torch.Tensor, code: torch.Tensor, si
     if info is not None:
         info.update(impl="gluon_sm90", grid=t * (h // HEADS), BK=BK, NS=NS, PW=PW, pipe=pipe, c_regs=c_regs,
                     p_regs=p_regs, xpad=xpad)
-        if kernel is not None:
-            info.update(n_regs=kernel.n_regs, n_spills=kernel.n_spills, shared=kernel.metadata.shared)
+        kernel_info(kernel, info)

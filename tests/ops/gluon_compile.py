@@ -9,9 +9,11 @@ import torch
 
 
 def compile_sm90(fn: Any, descs: dict[str, Any], ptrs: dict[str, torch.dtype], consts: dict[str, Any],
-                 **options: Any) -> Any:
+                 aligned: tuple[str, ...] = (), **options: Any) -> Any:
     """``fn`` compiled for sm_90a: ``descs`` its TMA descriptor arguments, ``ptrs`` the dtype of each pointer
-    argument, ``consts`` its constexprs; every other argument an i32. Returns Triton's compiled kernel (``.asm``)."""
+    argument, ``consts`` its constexprs; every other argument an i32. ``aligned``: the arguments specialised as
+    divisible by 16, as Triton's launcher specialises a 16-byte aligned pointer or such an integer. Returns Triton's
+    compiled kernel (``.asm``)."""
     import triton
     from triton._C.libtriton import native_specialize_impl
     from triton.backends.compiler import BaseBackend, GPUTarget
@@ -27,8 +29,9 @@ def compile_sm90(fn: Any, descs: dict[str, Any], ptrs: dict[str, torch.dtype], c
             sig[name] = "constexpr"
         else:
             sig[name] = "i32"
-    return triton.compile(GluonASTSource(fn, sig, {c: consts[c] for c in consts}), target=GPUTarget("cuda", 90, 32),
-                          options=options)
+    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
+    return triton.compile(GluonASTSource(fn, sig, {c: consts[c] for c in consts}, attrs),
+                          target=GPUTarget("cuda", 90, 32), options=options)
 
 
 def sass(kern: Any) -> str:

@@ -9,13 +9,16 @@ bit-equal to eager's ``apply_rope`` around the kernel without them. Outputs are 
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
 from minidi.model.layers import apply_rope
 from minidi.ops import _triton_utils
 from minidi.ops import sparse_attention_sm90 as sm90
-from minidi.ops.sparse_attention import ROPE_OUT, ROPE_Q, encode_slots, launch, sparse_attention_ref
+from minidi.ops.sparse_attention import (ROPE_OUT, ROPE_Q, SM90_DEFAULT, SM90_KERNELS, encode_slots, launch,
+                                         sparse_attention_ref)
 
 from .test_sparse_attention import BF16_TOL, _angles, _case, _rounding_fixture
 
@@ -26,15 +29,17 @@ def _runs() -> bool:
 
 
 needs_sm90 = pytest.mark.skipif(not _runs(), reason="needs an sm_90 GPU and Triton 3.6 with Gluon")
+each_kernel = pytest.mark.parametrize("impl", list(SM90_KERNELS))  # both Gluon kernels: the same contract
 
 
-def _gluon(q, wkv, widx, ckv, cidx, sink, scale, cos=None, sin=None, mode=0) -> torch.Tensor:
-    """The Gluon kernel alone, into a NaN-poisoned output (every element must be written)."""
+def _gluon(impl, q, wkv, widx, ckv, cidx, sink, scale, cos=None, sin=None, mode=0) -> torch.Tensor:
+    """The Gluon kernel ``impl`` (a key of ``SM90_KERNELS``) alone, into a NaN-poisoned output (every element must
+    be written)."""
     comp_off = (ckv.data_ptr() - wkv.data_ptr()) // 2 if ckv is not None else 0
     assert sm90.can_run(q, wkv, comp_off, cos.shape[-1] if mode else 0)
     code = encode_slots(widx, cidx, wkv.shape[0], ckv.shape[0] if ckv is not None else 0)
     out = torch.full_like(q, float("nan"))
-    sm90.launch_sm90(q, wkv, code, sink, out, comp_off, scale, cos, sin, mode)
+    SM90_KERNELS[impl](q, wkv, code, sink, out, comp_off, scale, cos, sin, mode)
     torch.cuda.synchronize()
     assert not out.isnan().any(), "unwritten (poisoned) outputs"
     return out
@@ -46,30 +51,35 @@ def test_cpu_never_picks_the_sm90_kernel():
     if _triton_utils.interpreting():  # the CPU run of the op (the interpreter): the Triton kernel
         info: dict = {}
         launch(q, wkv, widx, ckv, cidx, sink, 0.1, info=info)
-        assert info.get("impl") != "gluon_sm90"
+        assert info.get("impl") not in ("gluon_sm90", "gluon_sm90_split")
 
 
 @pytest.mark.gpu
 @needs_sm90
+@each_kernel
 @pytest.mark.parametrize("t,h,w,k,comp", [(512, 64, 128, 512, True), (37, 128, 17, 45, True), (65, 64, 128, 0, False),
                                           (9, 64, 5, 3, True)])
-def test_gpu_matches_reference(t, h, w, k, comp):
+def test_gpu_matches_reference(impl, t, h, w, k, comp):
     """Ragged T, 64 / 128 heads, -1 slots anywhere (25 %), a query with no compressed key, fewer keys than a block
     (W+K 62 and 8), window-only layers; fresh random inputs per case."""
     args = _case(t, h, 512, w, max(k, 1), nw=t + w + 3, nc=4096, dtype=torch.bfloat16, seed=t + h, device="cuda",
                  comp=comp)
-    out = _gluon(*args, 512**-0.5)
+    out = _gluon(impl, *args, 512**-0.5)
     ref = sparse_attention_ref(*args, 512**-0.5)
     torch.testing.assert_close(out.float(), ref.float(), **BF16_TOL)
+    again = _gluon(impl, *args, 512**-0.5)
+    assert torch.equal(again, out)  # no race: a second launch gives the same bits
     info: dict = {}
-    auto = launch(*args, 512**-0.5, info=info)  # the op's default dispatch picks the Gluon kernel here
-    assert info.get("impl") == "gluon_sm90"
-    assert torch.equal(auto, out)
+    auto = launch(*args, 512**-0.5, info=info)  # the op's default dispatch picks the default Gluon kernel here
+    assert info.get("impl") == {"gluon": "gluon_sm90", "gluon_split": "gluon_sm90_split"}[SM90_DEFAULT]
+    if impl == SM90_DEFAULT:
+        assert torch.equal(auto, out)
 
 
 @pytest.mark.gpu
 @needs_sm90
-def test_gpu_fewer_valid_keys_and_empty_rows():
+@each_kernel
+def test_gpu_fewer_valid_keys_and_empty_rows(impl):
     """Most slots empty, out-of-range indices, NaN rows where empty slots point, queries with no valid key (-> 0)."""
     t, h, d, w, k = 40, 64, 512, 128, 512
     q, wkv, widx, ckv, cidx, sink = _case(t, h, d, w, k, nw=t + w + 3, nc=4096, dtype=torch.bfloat16, seed=7,
@@ -80,7 +90,7 @@ def test_gpu_fewer_valid_keys_and_empty_rows():
     widx[3], cidx[3] = -1, -1  # no valid key at all
     ckv[0] = float("nan")  # index 0 is never referenced below: a NaN there must not leak through masked slots
     cidx = torch.where(cidx == 0, 1, cidx)
-    out = _gluon(q, wkv, widx, ckv, cidx, sink, 0.05)
+    out = _gluon(impl, q, wkv, widx, ckv, cidx, sink, 0.05)
     ref = sparse_attention_ref(q, wkv, widx, ckv, torch.where(cidx >= ckv.shape[0], -1, cidx), sink, 0.05)
     assert torch.equal(out[3], torch.zeros_like(out[3]))
     keep = torch.arange(t, device="cuda") != 3
@@ -89,7 +99,8 @@ def test_gpu_fewer_valid_keys_and_empty_rows():
 
 @pytest.mark.gpu
 @needs_sm90
-def test_gpu_rounding_fixture():
+@each_kernel
+def test_gpu_rounding_fixture(impl):
     """The bf16 probability rounding and the sink outside the max, at the kernel's shape: the fixture's 3 heads and
     36 channels padded with zeros to 64 heads x 512 (zero channels and heads add nothing to the other outputs)."""
     q, wkv, widx, ckv, cidx, sink = _rounding_fixture("cuda")
@@ -102,7 +113,7 @@ def test_gpu_rounding_fixture():
     cp[:, :d] = ckv
     sp = torch.full((64,), -30.0, device="cuda")
     sp[:h] = sink
-    out = _gluon(qp, wp, widx.cuda(), cp, cidx.cuda(), sp, 1.0)[:, :h, :d].float()
+    out = _gluon(impl, qp, wp, widx.cuda(), cp, cidx.cuda(), sp, 1.0)[:, :h, :d].float()
     ref = sparse_attention_ref(q, wkv, widx, ckv, cidx, sink, 1.0).float()
     torch.testing.assert_close(out[:, :, 1], ref[:, :, 1], rtol=0, atol=1e-4)
     torch.testing.assert_close(out, ref, **BF16_TOL)
@@ -110,13 +121,58 @@ def test_gpu_rounding_fixture():
 
 @pytest.mark.gpu
 @needs_sm90
+@each_kernel
 @pytest.mark.parametrize("mode", [ROPE_Q, ROPE_OUT, ROPE_Q | ROPE_OUT])
-def test_gpu_rotations_equal_the_model_chain(mode):
+def test_gpu_rotations_equal_the_model_chain(impl, mode):
     """V4.1's shape (rope on the last 64 of 512 channels): bit-equal to eager's rotations around the kernel."""
     t, h, d, w, k = 256, 64, 512, 128, 512
     args = _case(t, h, d, w, k, nw=t + w, nc=4096, dtype=torch.bfloat16, seed=3, device="cuda")
     cos, sin = _angles(t, 32, device="cuda")
-    out = _gluon(*args, d**-0.5, cos, sin, mode)
+    out = _gluon(impl, *args, d**-0.5, cos, sin, mode)
     q = apply_rope(args[0], cos, sin) if mode & ROPE_Q else args[0]
-    base = _gluon(q, *args[1:], d**-0.5)
+    base = _gluon(impl, q, *args[1:], d**-0.5)
     assert torch.equal(out, apply_rope(base, cos, sin, inverse=True) if mode & ROPE_OUT else base)
+
+
+# ---- compiles for sm_90a on the CPU (Triton's compiler and ptxas need no GPU) -----------------------------------
+@pytest.mark.skipif(not sm90.gluon_supported(), reason="Gluon API of a tested Triton version (3.6) not installed")
+@pytest.mark.parametrize("impl,pipe", [("gluon", False), ("gluon_split", False), ("gluon_split", True)])
+def test_kernels_compile_for_sm90a(impl, pipe):
+    """Both Gluon kernels, both rotations on, as the launchers specialise them (16-byte aligned pointers and comp_off):
+    the wgmma shapes of each design, one per MMA of a key block, and shared memory within the H200's 227 KB."""
+    pytest.importorskip("triton.backends.nvidia.compiler")
+    from minidi.ops import sparse_attention_sm90_split as split
+
+    from .gluon_compile import compile_sm90
+
+    ptrs = dict(q_ptr=torch.bfloat16, kv_ptr=torch.bfloat16, code_ptr=torch.int32, sink_ptr=torch.float32,
+                out_ptr=torch.bfloat16, cos_ptr=torch.float32, sin_ptr=torch.float32)
+    consts = dict(D=512, PW=sm90.PW, ROPE_Q=True, ROPE_OUT=True, R2=32,
+                  PIPE=pipe)
+    if impl == "gluon":
+        fn, consts = sm90._sparse_attention_sm90, consts | dict(BK=sm90.BK, NS=sm90.NS, XPAD=sm90.XPAD,
+                                                           P_REGS=sm90.P_REGS, C_REGS=sm90.C_REGS)
+        want = {"m64n64k16": 2 * 16, "m64n256k16": 2 * 4}  # per consumer: S over its D half, P V over 64 keys
+    else:
+        fn, consts = split._sparse_attention_sm90_split, consts | dict(BK=split.BK, NS=split.NS, P_REGS=split.P_REGS,
+                                                                       C_REGS=split.C_REGS)
+        # per consumer and pair: S over all of D (32 x k16), P V for both blocks (2 x 2 x k16); PIPE: loop + tail
+        want = {"m64n32k16": 2 * 32 * (2 if pipe else 1), "m64n256k16": 2 * 4 * (2 if pipe else 1)}
+    kern = compile_sm90(fn, {}, ptrs, consts, aligned=(*ptrs, "comp_off"), num_warps=4, maxnreg=sm90.MAXNREG)
+    ptx = kern.asm["ptx"]
+    for shape, n in want.items():
+        assert len(re.findall(rf"wgmma\.mma_async\.sync\.aligned\.{shape}\.f32\.bf16\.bf16", ptx)) == n, shape
+    assert "setmaxnreg" in ptx
+    assert kern.metadata.shared <= 232448  # the H200's shared memory per block
+
+
+def test_launchers_rotation_arguments_and_empty_slot_lists():
+    """Both Gluon launchers' shared argument step: dummy (never read) pointers without rotations, R2 from the angles,
+    a clear refusal of a slot list with no slot."""
+    sink, cos, sin = torch.zeros(64), torch.randn(5, 32), torch.randn(5, 32)
+    code = torch.zeros(5, 3, dtype=torch.int32)
+    assert sm90.launch_rope_args(code, sink, None, None, 0, "sm90") == (1, sink, sink)
+    r2, c, s = sm90.launch_rope_args(code, sink, cos, sin, ROPE_Q | ROPE_OUT, "sm90")
+    assert r2 == 32 and c is cos and s is sin
+    with pytest.raises(ValueError, match=r"sparse_attention \(sm90 split\): needs at least one key slot"):
+        sm90.launch_rope_args(code[:, :0], sink, None, None, 0, "sm90 split")
