@@ -9,6 +9,7 @@ bit-equal to eager's ``apply_rope`` around the kernel without them. Outputs are 
 
 from __future__ import annotations
 
+import os
 import re
 
 import pytest
@@ -135,35 +136,54 @@ def test_gpu_rotations_equal_the_model_chain(impl, mode):
 
 
 # ---- compiles for sm_90a on the CPU (Triton's compiler and ptxas need no GPU) -----------------------------------
-@pytest.mark.skipif(not sm90.gluon_supported(), reason="Gluon API of a tested Triton version (3.6) not installed")
-@pytest.mark.parametrize("impl,pipe", [("gluon", False), ("gluon_split", False), ("gluon_split", True)])
-def test_kernels_compile_for_sm90a(impl, pipe):
-    """Both Gluon kernels, both rotations on, as the launchers specialise them (16-byte aligned pointers and comp_off):
-    the wgmma shapes of each design, one per MMA of a key block, and shared memory within the H200's 227 KB."""
-    pytest.importorskip("triton.backends.nvidia.compiler")
+def _compile_report(impl: str, pipe: bool) -> dict:
+    """Compile one Gluon kernel for sm_90a, both rotations on, as the launchers specialise it (16-byte aligned pointers
+    and comp_off): its wgmma instruction counts by shape, setmaxnreg, shared memory."""
     from minidi.ops import sparse_attention_sm90_split as split
 
     from .gluon_compile import compile_sm90
 
     ptrs = dict(q_ptr=torch.bfloat16, kv_ptr=torch.bfloat16, code_ptr=torch.int32, sink_ptr=torch.float32,
                 out_ptr=torch.bfloat16, cos_ptr=torch.float32, sin_ptr=torch.float32)
-    consts = dict(D=512, PW=sm90.PW, ROPE_Q=True, ROPE_OUT=True, R2=32,
-                  PIPE=pipe)
+    consts = dict(D=512, PW=sm90.PW, ROPE_Q=True, ROPE_OUT=True, R2=32, PIPE=pipe)
     if impl == "gluon":
         fn, consts = sm90._sparse_attention_sm90, consts | dict(BK=sm90.BK, NS=sm90.NS, XPAD=sm90.XPAD,
-                                                           P_REGS=sm90.P_REGS, C_REGS=sm90.C_REGS)
-        want = {"m64n64k16": 2 * 16, "m64n256k16": 2 * 4}  # per consumer: S over its D half, P V over 64 keys
+                                                               P_REGS=sm90.P_REGS, C_REGS=sm90.C_REGS)
     else:
-        fn, consts = split._sparse_attention_sm90_split, consts | dict(BK=split.BK, NS=split.NS, P_REGS=split.P_REGS,
-                                                                       C_REGS=split.C_REGS)
-        # per consumer and pair: S over all of D (32 x k16), P V for both blocks (2 x 2 x k16); PIPE: loop + tail
-        want = {"m64n32k16": 2 * 32 * (2 if pipe else 1), "m64n256k16": 2 * 4 * (2 if pipe else 1)}
+        fn, consts = split._sparse_attention_sm90_split, consts | dict(
+            BK=split.BK, NS=split.NS, P_REGS=split.P_REGS, C_REGS=split.C_REGS, PROD_DEFAULT=split.PROD_DEFAULT)
     kern = compile_sm90(fn, {}, ptrs, consts, aligned=(*ptrs, "comp_off"), num_warps=4, maxnreg=sm90.MAXNREG)
     ptx = kern.asm["ptx"]
-    for shape, n in want.items():
-        assert len(re.findall(rf"wgmma\.mma_async\.sync\.aligned\.{shape}\.f32\.bf16\.bf16", ptx)) == n, shape
-    assert "setmaxnreg" in ptx
-    assert kern.metadata.shared <= 232448  # the H200's shared memory per block
+    shapes = re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)\.f32\.bf16\.bf16", ptx)
+    return dict(wgmma={sh: shapes.count(sh) for sh in set(shapes)}, setmaxnreg="setmaxnreg" in ptx,
+                shared=kern.metadata.shared)
+
+
+@pytest.mark.skipif(not sm90.gluon_supported(), reason="Gluon API of a tested Triton version (3.6) not installed")
+@pytest.mark.parametrize("impl,pipe", [("gluon", False), ("gluon_split", False), ("gluon_split", True)])
+def test_kernels_compile_for_sm90a(impl, pipe):
+    """Both Gluon kernels compile, with the wgmma shapes of each design (one instruction per MMA of a key block) and
+    shared memory within the H200's 227 KB. Compiled in a fresh process: a Triton kernel run by the interpreter in
+    this process (other tests) patches the language and the Gluon front end then fails."""
+    import json
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton.backends.nvidia.compiler")
+    code = ("import json; from tests.ops.test_sparse_attention_sm90 import _compile_report; "
+            f"print(json.dumps(_compile_report({impl!r}, {pipe})))")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    assert run.returncode == 0, run.stderr[-3000:]
+    rep = json.loads(run.stdout.strip().splitlines()[-1])
+    if impl == "gluon":  # per consumer: S over its D half (16 x k16), P V over 64 keys (4 x k16)
+        want = {"m64n64k16": 2 * 16, "m64n256k16": 2 * 4}
+    else:  # per consumer and pair: S over all of D (32 x k16), P V for both blocks (2 x 2 x k16); PIPE: loop + tail
+        want = {"m64n32k16": 2 * 32 * (2 if pipe else 1), "m64n256k16": 2 * 4 * (2 if pipe else 1)}
+    assert rep["wgmma"] == want
+    assert rep["setmaxnreg"]
+    assert rep["shared"] <= 232448  # the H200's shared memory per block
 
 
 def test_launchers_rotation_arguments_and_empty_slot_lists():
