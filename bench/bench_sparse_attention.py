@@ -49,8 +49,6 @@ VARIANTS = {
     "sm90_split_r216": dict(impl="gluon_split", c_regs=216, p_regs=72),  # sparse_attention_sm90's register split
     "sm90_split_pipe": dict(impl="gluon_split", pipe=True),  # next pair's Q K^T issued before this pair's softmax
     "sm90_split_pipe_r216": dict(impl="gluon_split", pipe=True, c_regs=216, p_regs=72),
-    "sm90_split_pd": dict(impl="gluon_split", prod_default=True),  # producer as the default partition, 224 / 56
-    "sm90_split_pd_r232": dict(impl="gluon_split", prod_default=True, c_regs=232),  # consumers 232, producer 40
 }
 DEFAULT = "tok_w8_bk64_s2"  # the Triton kernel's default config
 GLUON = "sm90_ws"

@@ -45,7 +45,6 @@ PW, MAXNREG = ws.PW, ws.MAXNREG
 C_REGS = 224  # consumer registers per thread (216 as in sparse_attention_sm90: 1.044 ms, 38 spills; 224: 1.007, 28)
 P_REGS = 56  # producer registers: 12 warps at MAXNREG 168 leave (168 * 384 - 224 * 128 - 56 * 128) / 128 = 224 for
 # the default partition (consumer 0)
-PROD_DEFAULT = False  # the producer as the default partition, both consumers workers (the bench's variant)
 
 
 if ws.HAVE_GLUON:
@@ -166,7 +165,7 @@ if ws.HAVE_GLUON:
                                      n_keys, scale, D: gl.constexpr, BK: gl.constexpr, NS: gl.constexpr,
                                      PW: gl.constexpr, P_REGS: gl.constexpr, C_REGS: gl.constexpr,
                                      ROPE_Q: gl.constexpr, ROPE_OUT: gl.constexpr, R2: gl.constexpr,
-                                     PIPE: gl.constexpr, PROD_DEFAULT: gl.constexpr):
+                                     PIPE: gl.constexpr):
         HALF: gl.constexpr = D // 2
         M: gl.constexpr = 64
         pid = gl.program_id(0)
@@ -195,40 +194,25 @@ if ws.HAVE_GLUON:
             mbarrier.init(m_ready.index(h), count=1)
             mbarrier.init(p_ready.index(h), count=1)
         fence_async_shared()
-        # (Gluon takes the partitions' (function, arguments) pairs only as literals in the call)
-        if PROD_DEFAULT:  # the producer in the default partition (4 warps): both consumers get C_REGS
-            gl.warp_specialize([
-                (_producer, (kv_ptr, code_ptr, k_smem, k_ready, k_empty, comp_off, n_keys, 2 * n_pairs, t,
-                             D, BK, NS, PW)),
-                (_consumer, (q_ptr, out_ptr, code_ptr, sink_ptr, cos_ptr, sin_ptr, q_smem, k_smem, p_smem, m0_smem,
-                             m1_smem, k_ready, k_empty, q_ready, m_ready, p_ready, t, hb, H, n_keys, n_pairs, scale,
-                             0, D, BK, NS, ROPE_Q, ROPE_OUT, R2, PIPE)),
-                (_consumer, (q_ptr, out_ptr, code_ptr, sink_ptr, cos_ptr, sin_ptr, q_smem, k_smem, p_smem, m1_smem,
-                             m0_smem, k_ready, k_empty, q_ready, m_ready, p_ready, t, hb, H, n_keys, n_pairs, scale,
-                             1, D, BK, NS, ROPE_Q, ROPE_OUT, R2, PIPE)),
-            ], [4, 4], [C_REGS, C_REGS])
-        else:  # consumer 0 in the default partition, with what the two workers leave
-            gl.warp_specialize([
-                (_consumer, (q_ptr, out_ptr, code_ptr, sink_ptr, cos_ptr, sin_ptr, q_smem, k_smem, p_smem, m0_smem,
-                             m1_smem, k_ready, k_empty, q_ready, m_ready, p_ready, t, hb, H, n_keys, n_pairs, scale,
-                             0, D, BK, NS, ROPE_Q, ROPE_OUT, R2, PIPE)),
-                (_consumer, (q_ptr, out_ptr, code_ptr, sink_ptr, cos_ptr, sin_ptr, q_smem, k_smem, p_smem, m1_smem,
-                             m0_smem, k_ready, k_empty, q_ready, m_ready, p_ready, t, hb, H, n_keys, n_pairs, scale,
-                             1, D, BK, NS, ROPE_Q, ROPE_OUT, R2, PIPE)),
-                (_producer, (kv_ptr, code_ptr, k_smem, k_ready, k_empty, comp_off, n_keys, 2 * n_pairs, t,
-                             D, BK, NS, PW)),
-            ], [4, PW], [C_REGS, P_REGS])
+        gl.warp_specialize([
+            (_consumer, (q_ptr, out_ptr, code_ptr, sink_ptr, cos_ptr, sin_ptr, q_smem, k_smem, p_smem, m0_smem,
+                         m1_smem, k_ready, k_empty, q_ready, m_ready, p_ready, t, hb, H, n_keys, n_pairs, scale,
+                         0, D, BK, NS, ROPE_Q, ROPE_OUT, R2, PIPE)),
+            (_consumer, (q_ptr, out_ptr, code_ptr, sink_ptr, cos_ptr, sin_ptr, q_smem, k_smem, p_smem, m1_smem,
+                         m0_smem, k_ready, k_empty, q_ready, m_ready, p_ready, t, hb, H, n_keys, n_pairs, scale,
+                         1, D, BK, NS, ROPE_Q, ROPE_OUT, R2, PIPE)),
+            (_producer, (kv_ptr, code_ptr, k_smem, k_ready, k_empty, comp_off, n_keys, 2 * n_pairs, t,
+                         D, BK, NS, PW)),
+        ], [4, PW], [C_REGS, P_REGS])
 
 
 def launch_sm90_split(q: torch.Tensor, window_kv: torch.Tensor, code: torch.Tensor, sink: torch.Tensor,
                       out: torch.Tensor, comp_off: int, scale: float, rope_cos: torch.Tensor | None = None,
                       rope_sin: torch.Tensor | None = None, rope_mode: int = 0, info: dict | None = None,
-                      pipe: bool = PIPE, c_regs: int = C_REGS, p_regs: int = P_REGS,
-                      prod_default: bool = PROD_DEFAULT) -> None:
+                      pipe: bool = PIPE, c_regs: int = C_REGS, p_regs: int = P_REGS) -> None:
     """``sparse_attention_sm90.launch_sm90``'s contract (checked contiguous tensors, ``can_run`` true, W+K >= 1;
     writes every element of out), this kernel's split of the work. ``pipe`` / ``c_regs`` / ``p_regs``: the bench's
-    variants (the overlap, the worker partitions' registers); ``prod_default``: the producer in the default
-    partition (then both consumers get ``c_regs``, the producer what they leave)."""
+    variants (the overlap, the worker partitions' registers)."""
     t, h, d = q.shape
     if t == 0:
         return
@@ -236,9 +220,8 @@ def launch_sm90_split(q: torch.Tensor, window_kv: torch.Tensor, code: torch.Tens
     kernel = _sparse_attention_sm90_split[(t * (h // ws.HEADS),)](
         q, window_kv, code, sink, out, rope_cos, rope_sin, comp_off, h, code.shape[1], float(scale),
         D=d, BK=BK, NS=NS, PW=PW, P_REGS=p_regs, C_REGS=c_regs, ROPE_Q=bool(rope_mode & 1),
-        ROPE_OUT=bool(rope_mode & 2), R2=r2, PIPE=pipe, PROD_DEFAULT=prod_default, num_warps=4,
-        maxnreg=MAXNREG)
+        ROPE_OUT=bool(rope_mode & 2), R2=r2, PIPE=pipe, num_warps=4, maxnreg=MAXNREG)
     if info is not None:
         info.update(impl="gluon_sm90_split", grid=t * (h // ws.HEADS), BK=BK, NS=NS, PW=PW, pipe=pipe, c_regs=c_regs,
-                    p_regs=p_regs, prod_default=prod_default)
+                    p_regs=p_regs)
         ws.kernel_info(kernel, info)

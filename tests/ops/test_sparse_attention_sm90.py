@@ -151,7 +151,7 @@ def _compile_report(impl: str, pipe: bool) -> dict:
                                                                P_REGS=sm90.P_REGS, C_REGS=sm90.C_REGS)
     else:
         fn, consts = split._sparse_attention_sm90_split, consts | dict(
-            BK=split.BK, NS=split.NS, P_REGS=split.P_REGS, C_REGS=split.C_REGS, PROD_DEFAULT=split.PROD_DEFAULT)
+            BK=split.BK, NS=split.NS, P_REGS=split.P_REGS, C_REGS=split.C_REGS)
     kern = compile_sm90(fn, {}, ptrs, consts, aligned=(*ptrs, "comp_off"), num_warps=4, maxnreg=sm90.MAXNREG)
     ptx = kern.asm["ptx"]
     shapes = re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)\.f32\.bf16\.bf16", ptx)
