@@ -15,17 +15,12 @@ Legend: E experts, N weight rows (output columns), NB = K / 32 scale blocks per 
 
 from __future__ import annotations
 
-import weakref
-from typing import Any, Callable
-
 import torch
 import triton
 import triton.language as tl
 
+from ._weight_cache import cached_flag
 from .fp8_grouped_gemm_sm90 import FOLD_SPAN
-
-_CACHE: dict[tuple, tuple] = {}  # (name, id(w_scale)) -> (weakref, signature, value)
-
 
 @triton.jit
 def _fold_rows_kernel(ws_ptr, base_ptr, bad_ptr, ROWS, NB, BR: tl.constexpr, NB_P2: tl.constexpr,
@@ -66,24 +61,6 @@ def fold_rows(w_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     _fold_rows_kernel[(triton.cdiv(e * n, br),)](codes, base, bad, e * n, nb, BR=br,
                                                  NB_P2=triton.next_power_of_2(nb), SPAN=FOLD_SPAN, num_warps=4)
     return base, bad
-
-
-def cached_flag(name: str, w_scale: torch.Tensor, compute: Callable[[torch.Tensor], Any]) -> Any:
-    """``compute(w_scale)`` once per weight-scale tensor and ``name``: kept while the tensor lives, recomputed when its
-    version counter, storage or shape changes (an in-place copy bumps the version). Tensors without a version counter
-    (made under ``torch.inference_mode``) are computed every call."""
-    try:
-        version = w_scale._version
-    except RuntimeError:  # an inference tensor: no version counter to trust
-        return compute(w_scale)
-    key = (name, id(w_scale))
-    sig = (version, w_scale.data_ptr(), tuple(w_scale.shape), tuple(w_scale.stride()), w_scale.device)
-    hit = _CACHE.get(key)
-    if hit is not None and hit[0]() is w_scale and hit[1] == sig:
-        return hit[2]
-    value = compute(w_scale)
-    _CACHE[key] = (weakref.ref(w_scale, lambda _, k=key: _CACHE.pop(k, None)), sig, value)
-    return value
 
 
 def cached_fold_rows(w_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -19,9 +19,11 @@ is added to the running sum with an IEEE fp32 add (the promotion of ``gate_tf32x
 accumulation truncates). The sum of squares and the collapse are fp32 sums in another order than eager's; u is
 rounded once to x's dtype, where the model rounds.
 
-Bytes at V4.1-Flash (T 4,096, n 4, D 5,120): x 168 MB read once, u 42 MB written; the fn pieces (2.9 MB) are
-read from L2 by every token block. H200 (``bench/bench_hc_mix.py``, ``docs/benchmarks/h200_round11/bench_hc_mix.json``):
-0.152 ms = 1,389 GB/s (34 % of the copy peak) at the default config.
+Bytes at V4.1-Flash (T 4,096, n 4, D 5,120): x 168 MB read once, u 42 MB written; the fn pieces (2.9 MB, split
+once per weight tensor: ``_weight_cache.cached_flag``) are read from L2 by every token block. H200, round 20
+(``bench/bench_hc_mix.py``, ``docs/benchmarks/h200_round20/bench_hc_mix.json``): 0.103 ms GPU time = 1,914 GB/s
+(46 % of the copy peak) at the default config, against 0.152 ms before (round 11: 64-bit pointer tensors per stream,
+255 registers and spills, and the pieces split every call by five small torch kernels).
 
 Legend: T tokens, n streams, D width, M mixer outputs ((2 + n) n), S splits of D, BT tokens and BD columns per
 program step.
@@ -34,6 +36,7 @@ import triton
 import triton.language as tl
 
 from ._triton_utils import cannot_run, interpreting, resolve_backend, round_bf16, triton_can_run
+from ._weight_cache import cached_flag
 
 MAX_OUT = 64  # mixer outputs M at most (V4.1 / V4: 24; V4's head: 4)
 SPLITS = 4  # S: splits of D (a function of nothing but this constant: the fake result's shape must not vary)
@@ -56,31 +59,36 @@ def _hc_mix_kernel(x_ptr, w_ptr, pre_ptr, g_ptr, ss_ptr, u_ptr,
                    T, D, M, D_PER_SPLIT, sx_t, sx_j, sw_piece, sw_m, sg_split, sg_t, ss_split, su_t, sp_t,
                    N: tl.constexpr, MP: tl.constexpr, COLLAPSE: tl.constexpr, X_BF16: tl.constexpr,
                    INTERPRET: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
-    """Program (token block, split of D): over its D range in BD steps, for each stream j: sum of squares, u += pre_j
-    x_j, and the projection part x_j @ (f2 + f1 + f0)^T (a fresh accumulator per stream chunk, added in IEEE fp32)."""
-    rt = tl.program_id(0) * BT + tl.arange(0, BT)
-    t_ok = rt < T
-    rt64 = rt.to(tl.int64)
+    """Program (token block, split of D): over its D range in BD steps, for each stream j: the squares (summed
+    per element, reduced once at the end), u += pre_j x_j, and the projection part x_j @ (f2 + f1 + f0)^T (a fresh
+    accumulator per stream chunk, added in IEEE fp32)."""
+    t0 = tl.program_id(0) * BT
+    rb = tl.arange(0, BT)  # rows of the block: int32 offsets from per-block base pointers (a [BT, BD] tensor of
+    t_ok = t0 + rb < T     # 64-bit pointers per stream would hold 2 registers an element; the kernel spilled)
+    x_blk = x_ptr + t0.to(tl.int64) * sx_t
+    u_blk = u_ptr + t0.to(tl.int64) * su_t
     rd = tl.arange(0, BD)
     rm = tl.arange(0, MP)
     m_ok = rm < M
+    x_offs = rb[:, None] * sx_t + rd[None, :]
+    w_offs = rm[None, :] * sw_m + rd[:, None]  # fn^T [BD, MP] of a chunk
     d_begin = tl.program_id(1) * D_PER_SPLIT
     d_end = tl.minimum(D, d_begin + D_PER_SPLIT)
     acc = tl.zeros((BT, MP), dtype=tl.float32)
-    ss = tl.zeros((BT,), dtype=tl.float32)
+    sq = tl.zeros((BT, BD), dtype=tl.float32)
     for d0 in range(d_begin, d_end, BD):
         d_ok = d0 + rd < d_end
         xm = t_ok[:, None] & d_ok[None, :]
         wm = d_ok[:, None] & m_ok[None, :]
         u = tl.zeros((BT, BD), dtype=tl.float32)
         for j in tl.static_range(N):
-            xj = tl.load(x_ptr + rt64[:, None] * sx_t + j * sx_j + (d0 + rd)[None, :], mask=xm, other=0.0)
+            xj = tl.load(x_blk + (j * sx_j + d0) + x_offs, mask=xm, other=0.0)
             xf = xj.to(tl.float32)
-            ss += tl.sum(xf * xf, axis=1)
+            sq += xf * xf
             if COLLAPSE:
-                pj = tl.load(pre_ptr + rt64 * sp_t + j, mask=t_ok, other=0.0)
+                pj = tl.load(pre_ptr + (t0 + rb).to(tl.int64) * sp_t + j, mask=t_ok, other=0.0)
                 u += pj[:, None] * xf
-            w_ptrs = w_ptr + rm[None, :] * sw_m + (j * D + d0 + rd)[:, None]  # [BD, MP]: fn^T rows of this chunk
+            w_ptrs = w_ptr + (j * D + d0) + w_offs
             w2 = tl.load(w_ptrs + 2 * sw_piece, mask=wm, other=0.0)
             w1 = tl.load(w_ptrs + sw_piece, mask=wm, other=0.0)
             w0 = tl.load(w_ptrs, mask=wm, other=0.0)
@@ -96,21 +104,24 @@ def _hc_mix_kernel(x_ptr, w_ptr, pre_ptr, g_ptr, ss_ptr, u_ptr,
         if COLLAPSE:
             if X_BF16:
                 u = round_bf16(u)  # the interpreter's fp32 -> bf16 cast truncates
-            tl.store(u_ptr + rt64[:, None] * su_t + (d0 + rd)[None, :], u.to(u_ptr.dtype.element_ty), mask=xm)
+            tl.store(u_blk + d0 + (rb[:, None] * su_t + rd[None, :]), u.to(u_ptr.dtype.element_ty), mask=xm)
     split = tl.program_id(1).to(tl.int64)
+    rt64 = (t0 + rb).to(tl.int64)
     tl.store(g_ptr + split * sg_split + rt64[:, None] * sg_t + rm[None, :], acc, mask=t_ok[:, None] & m_ok[None, :])
-    tl.store(ss_ptr + split * ss_split + rt64, ss, mask=t_ok)
+    tl.store(ss_ptr + split * ss_split + rt64, tl.sum(sq, axis=1), mask=t_ok)
 
 
 # ---- launcher ------------------------------------------------------------------------------------------------------
 def default_config(t: int, d: int, x_dtype: torch.dtype = torch.bfloat16) -> dict:
-    """bf16 streams: 128-token blocks, 64 columns a step, 8 warps, 2 stages, D split SPLITS ways (T 4,096: 128
-    programs); the fastest of the H200 sweep in ``bench/bench_hc_mix.py`` (0.152 ms at V4.1-Flash shapes, against
-    0.231 ms for 64-token blocks with 4 warps in the same run). fp32 streams (test models): 64 x 32 steps, 2 stages
-    (fp32 tiles of 4 streams fill shared memory sooner)."""
+    """bf16 streams: 64-token blocks, 32 columns a step, 4 warps, 3 stages (148 registers, no spills), D split
+    SPLITS ways (T 4,096: 256 programs); of the round-20 H200 sweep (``docs/benchmarks/h200_round20/
+    bench_hc_mix_sweep.json``, splits 4 / 8 / 16) the fastest at 4 and 8 splits (0.1003 / 0.1015 ms kernel time)
+    and 6 % behind the fastest at 16 (0.0974 ms with 2 stages, which measured 0.109 / 0.116 at 4 / 8 splits): the
+    steadiest; the round-11 kernel at its 128 x 64 x 8 warps took 0.115 ms there. fp32 streams (test models): 64 x 32 steps, 2 stages (fp32 tiles of 4 streams fill shared
+    memory sooner)."""
     if x_dtype == torch.float32:
         return dict(BT=64, BD=32, num_warps=4, num_stages=2)
-    return dict(BT=128, BD=64, num_warps=8, num_stages=2)
+    return dict(BT=64, BD=32, num_warps=4, num_stages=3)
 
 
 def fn_pieces(fn: torch.Tensor) -> torch.Tensor:
@@ -125,16 +136,17 @@ def fn_pieces(fn: torch.Tensor) -> torch.Tensor:
 
 def launch(x: torch.Tensor, fn: torch.Tensor, pre: torch.Tensor | None, g: torch.Tensor, ss: torch.Tensor,
            u: torch.Tensor, **config) -> None:
-    """Checked tensors, x with a unit stride in D; writes g [SPLITS, T, M], ss [SPLITS, T] and (pre given) u [T, D]."""
+    """Checked tensors, x and fn with a unit stride in D; writes g [S, T, M], ss [S, T] and (pre given) u [T, D],
+    D split S ways (S = g.shape[0]: the op's SPLITS; a bench may give other S)."""
     t, n, d = x.shape
-    m = fn.shape[0]
+    m, splits = fn.shape[0], g.shape[0]
     if t == 0:
         return
     cfg = default_config(t, d, x.dtype) | config
-    pieces = fn_pieces(fn)
-    d_per = triton.cdiv(triton.cdiv(d, SPLITS), cfg["BD"]) * cfg["BD"]
+    pieces = cached_flag("hc_mix fn pieces", fn, fn_pieces)  # fn is a weight: split once, not every call
+    d_per = triton.cdiv(triton.cdiv(d, splits), cfg["BD"]) * cfg["BD"]
     used = triton.cdiv(d, d_per)
-    if used < SPLITS:  # a narrow D: the splits past it hold zeros
+    if used < splits:  # a narrow D: the splits past it hold zeros
         g[used:].zero_()
         ss[used:].zero_()
     grid = (triton.cdiv(t, cfg["BT"]), used)

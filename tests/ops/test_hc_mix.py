@@ -72,13 +72,45 @@ def test_matches_float64_and_the_model(t, n, d, dtype):
 @needs_kernel
 def test_every_output_element_written():
     """Poisoned outputs: every element of g / ss (zeros in the splits a narrow D leaves unused) and u is written."""
-    x, fn, pre = make(9, 4, 40, device=DEV)  # D 40 < one BD step: one split used of SPLITS
+    x, fn, pre = make(9, 4, 20, device=DEV)  # D 20 < one BD step (32): one split used of SPLITS
     g = torch.full((SPLITS, 9, 24), float("nan"), device=DEV)
     ss = torch.full((SPLITS, 9), float("nan"), device=DEV)
-    u = torch.full((9, 40), float("nan"), device=DEV, dtype=x.dtype)
+    u = torch.full((9, 20), float("nan"), device=DEV, dtype=x.dtype)
     launch(x, fn, pre, g, ss, u)
     assert not g.isnan().any() and not ss.isnan().any() and not u.isnan().any()
     assert (g[1:] == 0).all() and (ss[1:] == 0).all()
+
+
+@needs_kernel
+def test_fn_pieces_split_once_and_redone_after_an_in_place_update(monkeypatch):
+    """The pieces of fn are a weight's: computed on the first call, reused while fn is unchanged, recomputed after an
+    in-place write (a stale split would give the old weight's projection)."""
+    from minidi.ops import hc_mix
+
+    calls = []
+    real = hc_mix.fn_pieces
+    monkeypatch.setattr(hc_mix, "fn_pieces", lambda fn: calls.append(1) or real(fn))
+    x, fn, pre = make(8, 4, 64)
+    g1, _, _ = hc_mix_fused(x, fn, pre, backend="triton")
+    g2, _, _ = hc_mix_fused(x, fn, pre, backend="triton")
+    assert len(calls) == 1 and torch.equal(g1, g2)
+    fn.mul_(-2.0)
+    g3, _, _ = hc_mix_fused(x, fn, pre, backend="triton")
+    assert len(calls) == 2
+    assert rel(g3, refs(x, fn)[0]) <= 1e-5
+
+
+@needs_kernel
+@pytest.mark.parametrize("splits", [1, 3, 8])
+def test_any_split_count_sums_to_the_projection(splits):
+    x, fn, pre = make(19, 4, 200)
+    g = torch.full((splits, 19, 24), float("nan"), device=DEV)
+    ss = torch.full((splits, 19), float("nan"), device=DEV)
+    u = torch.empty(19, 200, device=DEV, dtype=x.dtype)
+    launch(x, fn, pre, g, ss, u)
+    g_ref, ms_ref = refs(x, fn)
+    assert rel(g.sum(0), g_ref) <= 1e-5 and rel(ss.sum(0).unsqueeze(-1) / 800, ms_ref) <= 1e-5
+    assert_collapse_close(u, x, pre)
 
 
 @needs_kernel
