@@ -7,7 +7,9 @@ not modelled (and the output of the MoE lacks the other ranks' experts, so the m
 The exchange over real ranks is ``minidi.runtime.distributed.DistributedEP``; the contract both follow is
 ``minidi.model.expert_parallel``.
 
-The synthesised rows are written by ``rotated_blocks``, a custom op of contiguous copies. Written as
+The synthesised rows are written by ``rotated_blocks``, a custom op: on a GPU one kernel launch
+(``minidi.ops.rotated_rows``; the copies below cost the host 2 N - 1 memcpy launches a call, 884 a V4.1 EP4 step,
+more host time than the GPU spent on them), on the CPU contiguous copies. Written as
 ``torch.cat([x.roll(s, 0) for s in shifts])`` (until round 12) Inductor lowers it to one pointwise kernel that
 evaluates, for every element, the masked load of every block, each index a 64-bit ``fmod`` by the (dynamic) token
 count (the roll's decomposition): ``triton_poi_fused_cat_roll_*``, 0.31 ms a call at T 4,096, D 5,120 bf16 on an
@@ -22,15 +24,23 @@ from __future__ import annotations
 
 import torch
 
+from minidi.ops._triton_utils import triton_can_run
+from minidi.ops.rotated_rows import rotated_rows
+
 
 @torch.library.custom_op("minidi::rotated_blocks", mutates_args=())
 def rotated_blocks(x: torch.Tensor, size: int) -> torch.Tensor:
     """x [T, ...] -> [size * T, ...]: block r is ``x.roll(r * T // size, 0)`` (block 0 is x).
 
-    Each block is two contiguous row copies (ATen ``copy_``: a device memcpy), so the op moves the bytes a copy
-    moves: x read, size x T rows written."""
+    On CUDA (or the interpreter) one kernel (``rotated_rows``); otherwise each block is two contiguous row copies
+    (ATen ``copy_``). Either moves the bytes a copy moves: x read, size x T rows written."""
     if size < 1:
         raise ValueError(f"rotated_blocks: size >= 1 expected, got {size}")
+    return rotated_rows(x, size) if triton_can_run(x) else rotated_copies(x, size)
+
+
+def rotated_copies(x: torch.Tensor, size: int) -> torch.Tensor:
+    """``rotated_blocks`` by 2 size - 1 contiguous row copies (ATen ``copy_``): the CPU path."""
     t = x.shape[0]
     x = x.contiguous()
     out = x.new_empty((size * t, *x.shape[1:]))
