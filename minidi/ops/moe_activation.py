@@ -52,7 +52,10 @@ from ._triton_formats import e4m3_bits, round_e4m3
 from ._triton_utils import cannot_run, interpreting, local_row_count, resolve_backend, round_bf16, triton_can_run
 
 AMAX_FLOOR = 1e-4  # fq8's amax floor (``minidi.model.quant.fq8``)
-TILE_COLS = 256  # columns of a program's tile on the GPU and in the interpreter: NB = TILE_COLS / block fq8 blocks
+TILE_COLS = 128  # columns of a program's tile on the GPU and in the interpreter: NB = TILE_COLS / block fq8 blocks
+# (16 rows x 128 columns on 2 warps on the GPU: of the round-20 H200 sweep at the V4.1 EP4 shape, R 98,304 rows,
+# 24,576 local, I 2,304, the fastest, 0.120 ms against 0.157 for 16 x 256 on 4 warps with a division by the scale;
+# docs/benchmarks/h200_round20/bench_moe_activation_sweep.json)
 OUT_DTYPES = (torch.bfloat16, torch.float32)
 _E4M3_MAX_K = tl.constexpr(E4M3_MAX)  # the kernel's copies: Triton 3.6 jit reads only constexpr globals
 _AMAX_FLOOR_K = tl.constexpr(AMAX_FLOOR)
@@ -118,7 +121,8 @@ def _moe_activation_kernel(
         if QUANT:
             amax = tl.max(tl.where(m & (h == h), tl.abs(h), 0.0), axis=2)  # [BR, NB], over the finite values
             s = pow2_ceil_k(tl.math.div_rn(tl.maximum(amax, _AMAX_FLOOR_K), _E4M3_MAX_K))  # [BR, NB] powers of 2
-            y = tl.math.div_rn(h, s[:, :, None])  # exact: s is a power of two
+            y = h * tl.math.div_rn(1.0, s)[:, :, None]  # s a power of two: 1 / s and the product are exact, so this
+            # is h / s correctly rounded (the division per element cost 16 % of the kernel's time on the H200)
             y = tl.minimum(tl.maximum(y, -_E4M3_MAX_K), _E4M3_MAX_K)
             if SPLIT:  # the e4m3 values and the block's scale (fq8_split's operands), not their product
                 o_ptrs = out_ptr + r64 * stride_o + cols
@@ -185,7 +189,7 @@ def launch(g: torch.Tensor, v: torch.Tensor, ws: torch.Tensor, offs: torch.Tenso
     _moe_activation_kernel[grid](
         g, v, ws, offs, out, s_arg, r, i, offs.numel(), g.stride(0), v.stride(0), ws.stride(0), out.stride(0),
         s_arg.stride(0), float(limit), BR=br, NB=nb, BLOCK=width, QUANT=bool(block),
-        ROUND_BF16=g.dtype == torch.bfloat16, SPLIT=split, INTERPRET=interpreting(), num_warps=4)
+        ROUND_BF16=g.dtype == torch.bfloat16, SPLIT=split, INTERPRET=interpreting(), num_warps=2 if g.is_cuda else 4)
 
 
 @_moe_activation_op.register_fake
