@@ -128,6 +128,20 @@ def step_times_ms(fn: Callable[[], object], n: int, device: str | torch.device,
     return out
 
 
+def host_enqueue_ms(fn: Callable[[], object], n: int, device: str | torch.device) -> list[float]:
+    """Host time of each of ``n`` calls of ``fn`` until it returns (the device idle before: synced first; synced
+    after, off the clock). On a GPU a step whose enqueue time nears its wall time is bound by its host (launches,
+    Python), not its kernels; on the CPU it is the step's time."""
+    out = []
+    for _ in range(n):
+        sync(device)
+        t = time.perf_counter()
+        fn()
+        out.append((time.perf_counter() - t) * 1e3)
+        sync(device)
+    return out
+
+
 def median_ms(fn: Callable[[], object], device: str | torch.device, *, warmup: int = 1, repeats: int = 10,
               flush_l2: bool = True, do_bench_ms: tuple[int, int] = (25, 100)) -> float:
     """Median ms of ``fn``.

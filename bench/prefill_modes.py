@@ -122,6 +122,7 @@ def run_mode(mode: str, wl, args, card: dict, out_dir: Path, held: dict | None =
                     ticker.tick()
         with phase(f"timing ({args.steps} steps)"):
             times = common.step_times_ms(run, args.steps, device, common.Ticker(f"[{mode}] timed steps", args.steps))
+        enqueue = common.host_enqueue_ms(run, 2, device)
         tag = f"{cfg.name}_{mode}_ep{cfg.ep_size}" + (f"_ctx{wl.cached_tokens}" if args.context else "")
         prof, trace = Profile({}, None, [], None), None
         if args.profile_steps and (not args.no_stage_markers or args.kernels):
@@ -140,6 +141,7 @@ def run_mode(mode: str, wl, args, card: dict, out_dir: Path, held: dict | None =
         "compile_scope": args.compile_scope if mode != "eager" else None, "warmup": args.warmup,
         "ms_per_step": round(ms, 3),
         "ms_per_step_median": round(statistics.median(times), 3), "ms_per_step_min": round(min(times), 3),
+        "host_enqueue_ms": [round(v, 3) for v in enqueue],
         "input_tok_per_s_per_gpu": round(tokens / ms * 1e3, 1),
         "mfu": round(mfu(flops, ms, card["peaks"]["bf16_tflops"]), 4), "tflop_per_step": round(flops / 1e12, 3),
         "flop_per_step": flops,

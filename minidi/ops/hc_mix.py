@@ -21,8 +21,8 @@ rounded once to x's dtype, where the model rounds.
 
 Bytes at V4.1-Flash (T 4,096, n 4, D 5,120): x 168 MB read once, u 42 MB written; the fn pieces (2.9 MB, split
 once per weight tensor: ``_weight_cache.cached_flag``) are read from L2 by every token block. H200, round 20
-(``bench/bench_hc_mix.py``, ``docs/benchmarks/h200_round20/bench_hc_mix.json``): 0.103 ms GPU time = 1,914 GB/s
-(46 % of the copy peak) at the default config, against 0.152 ms before (round 11: 64-bit pointer tensors per stream,
+(``bench/bench_hc_mix.py``, ``docs/benchmarks/h200_round20/bench_hc_mix.json``): 0.111 ms (L2 flushed) = 1,914 GB/s
+(46 % of the copy peak; GPU time 0.103 ms) at the default config, against 0.152 ms before (round 11: 64-bit pointer tensors per stream,
 255 registers and spills, and the pieces split every call by five small torch kernels).
 
 Legend: T tokens, n streams, D width, M mixer outputs ((2 + n) n), S splits of D, BT tokens and BD columns per

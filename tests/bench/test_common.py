@@ -48,6 +48,14 @@ def test_cpu_timing_is_wall_clock_per_call():
     assert common.op_ms(sleep_5ms, "cpu") >= 4.5 and len(calls) == 1  # CPU / smoke: one call
 
 
+def test_host_enqueue_stops_the_clock_when_the_call_returns(monkeypatch):
+    """Each call's host time until it returns; the sync after it is off the clock (a slow sync adds nothing)."""
+    synced = []
+    monkeypatch.setattr(common, "sync", lambda device: synced.append(device) or time.sleep(0.02))
+    times = common.host_enqueue_ms(lambda: time.sleep(0.005), 3, "cuda")
+    assert len(times) == 3 and all(4.5 <= t < 22 for t in times) and len(synced) == 6
+
+
 def test_table_row_rates_and_speedups():
     peaks = {"bf16_tflops": 100.0, "copy_gbps": 1000.0}
     table: list[dict] = []
