@@ -171,6 +171,16 @@ def _moe_activation_op(g: torch.Tensor, v: torch.Tensor, ws: torch.Tensor, offs:
     return out
 
 
+def _blocks_a_tile(i: int, width: int) -> int:
+    """NB: the tile's column groups of ``width`` (TILE_COLS wide, fewer for a narrow I)."""
+    return max(1, min(TILE_COLS // width, triton.next_power_of_2(triton.cdiv(i, width))))
+
+
+def gpu_tile(i: int, width: int) -> tuple[int, int, int]:
+    """(BR rows, NB column groups, warps) of the GPU launch for I columns in groups of ``width``."""
+    return 16, _blocks_a_tile(i, width), 2
+
+
 def launch(g: torch.Tensor, v: torch.Tensor, ws: torch.Tensor, offs: torch.Tensor, limit: float, block: int,
            out: torch.Tensor, scales: torch.Tensor | None = None) -> None:
     """Checked tensors with unit column strides (``block`` 0: no fake quant). Writes the rows of ``out`` below
@@ -181,15 +191,14 @@ def launch(g: torch.Tensor, v: torch.Tensor, ws: torch.Tensor, offs: torch.Tenso
         return
     ws = ws.reshape(-1)
     width = block if block else min(128, triton.next_power_of_2(i))  # one fq8 block (or 128 columns) ...
-    nb = max(1, min(TILE_COLS // width, triton.next_power_of_2(triton.cdiv(i, width))))  # ... NB of them a tile
-    br = 16 if g.is_cuda else 8
+    br, nb, warps = gpu_tile(i, width) if g.is_cuda else (8, _blocks_a_tile(i, width), 4)
     grid = (triton.cdiv(r, br), triton.cdiv(i, width * nb))
     split = scales is not None
     s_arg = scales if split else out
     _moe_activation_kernel[grid](
         g, v, ws, offs, out, s_arg, r, i, offs.numel(), g.stride(0), v.stride(0), ws.stride(0), out.stride(0),
         s_arg.stride(0), float(limit), BR=br, NB=nb, BLOCK=width, QUANT=bool(block),
-        ROUND_BF16=g.dtype == torch.bfloat16, SPLIT=split, INTERPRET=interpreting(), num_warps=2 if g.is_cuda else 4)
+        ROUND_BF16=g.dtype == torch.bfloat16, SPLIT=split, INTERPRET=interpreting(), num_warps=warps)
 
 
 @_moe_activation_op.register_fake
