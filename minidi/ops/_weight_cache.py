@@ -12,7 +12,7 @@ import torch
 _CACHE: dict[tuple, tuple] = {}  # (name, id(tensor)) -> (weakref, signature, value)
 
 
-def cached_flag(name: str, w: torch.Tensor, compute: Callable[[torch.Tensor], Any]) -> Any:
+def cached_per_tensor(name: str, w: torch.Tensor, compute: Callable[[torch.Tensor], Any]) -> Any:
     """``compute(w)`` once per tensor and ``name``: kept while the tensor lives, recomputed when its version counter,
     storage or shape changes (an in-place copy bumps the version). Tensors without a version counter (made under
     ``torch.inference_mode``) are computed every call."""

@@ -1,6 +1,6 @@
 """The sm_90 expert GEMMs' per-weight-tensor checks decided on the device, with no host sync: the FP8 kernel's
 weight-scale fold (``fp8_grouped_gemm.fp8_fp4_grouped_mm`` uses it when it is not given a base) and the bf16
-kernel's code range (``fp4_grouped_gemm_hopper.range_gate``), cached per weight tensor (``cached_flag``), and the
+kernel's code range (``fp4_grouped_gemm_hopper.range_gate``), cached per weight tensor (``cached_per_tensor``), and the
 two offs copies that pick the fast or the exact kernel (``gate_offs``).
 
 ``fold_fp4_rows`` (``fp8_grouped_gemm_sm90.py``) gives the per-row base, or None when a row cannot fold: one host
@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._weight_cache import cached_flag
+from ._weight_cache import cached_per_tensor
 from .fp8_grouped_gemm_sm90 import FOLD_SPAN
 
 @triton.jit
@@ -64,9 +64,9 @@ def fold_rows(w_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def cached_fold_rows(w_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``fold_rows`` once per weight-scale tensor (``cached_flag``). A stale entry cannot give a silently wrong
+    """``fold_rows`` once per weight-scale tensor (``cached_per_tensor``). A stale entry cannot give a silently wrong
     result: any base whose offsets stay in [-5, 6] is exact, and the kernel decodes an out-of-range block to NaN."""
-    return cached_flag("fold_rows", w_scale, fold_rows)
+    return cached_per_tensor("fold_rows", w_scale, fold_rows)
 
 
 def gate_offs(offs: torch.Tensor, bad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,8 +100,8 @@ def code_range_flag(w_scale: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
 
 def code_range_gate(w_scale: torch.Tensor, offs: torch.Tensor, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(offs for the fast kernel, offs for the exact kernel) by ``code_range_flag`` (cached per weight-scale tensor,
-    ``cached_flag``): a call costs one tiny launch, no host sync."""
-    bad = cached_flag(f"code_range {lo}..{hi}", w_scale, lambda w: code_range_flag(w, lo, hi))
+    ``cached_per_tensor``): a call costs one tiny launch, no host sync."""
+    bad = cached_per_tensor(f"code_range {lo}..{hi}", w_scale, lambda w: code_range_flag(w, lo, hi))
     return gate_offs(offs, bad)
 
 

@@ -20,10 +20,10 @@ accumulation truncates). The sum of squares and the collapse are fp32 sums in an
 rounded once to x's dtype, where the model rounds.
 
 Bytes at V4.1-Flash (T 4,096, n 4, D 5,120): x 168 MB read once, u 42 MB written; the fn pieces (2.9 MB, split
-once per weight tensor: ``_weight_cache.cached_flag``) are read from L2 by every token block. H200, round 20
+once per weight tensor: ``_weight_cache.cached_per_tensor``) are read from L2 by every token block. H200, round 20
 (``bench/bench_hc_mix.py``, ``docs/benchmarks/h200_round20/bench_hc_mix.json``): 0.111 ms (L2 flushed) = 1,914 GB/s
-(46 % of the copy peak; GPU time 0.103 ms) at the default config, against 0.152 ms before (round 11: 64-bit pointer tensors per stream,
-255 registers and spills, and the pieces split every call by five small torch kernels).
+(46 % of the copy peak; GPU time 0.103 ms) at the default config, against 0.152 ms before (round 11: 64-bit
+pointer tensors per stream, 255 registers and spills, and the pieces split every call by five small torch kernels).
 
 Legend: T tokens, n streams, D width, M mixer outputs ((2 + n) n), S splits of D, BT tokens and BD columns per
 program step.
@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 from ._triton_utils import cannot_run, interpreting, resolve_backend, round_bf16, triton_can_run
-from ._weight_cache import cached_flag
+from ._weight_cache import cached_per_tensor
 
 MAX_OUT = 64  # mixer outputs M at most (V4.1 / V4: 24; V4's head: 4)
 SPLITS = 4  # S: splits of D (a function of nothing but this constant: the fake result's shape must not vary)
@@ -117,8 +117,8 @@ def default_config(t: int, d: int, x_dtype: torch.dtype = torch.bfloat16) -> dic
     SPLITS ways (T 4,096: 256 programs); of the round-20 H200 sweep (``docs/benchmarks/h200_round20/
     bench_hc_mix_sweep.json``, splits 4 / 8 / 16) the fastest at 4 and 8 splits (0.1003 / 0.1015 ms kernel time)
     and 6 % behind the fastest at 16 (0.0974 ms with 2 stages, which measured 0.109 / 0.116 at 4 / 8 splits): the
-    steadiest; the round-11 kernel at its 128 x 64 x 8 warps took 0.115 ms there. fp32 streams (test models): 64 x 32 steps, 2 stages (fp32 tiles of 4 streams fill shared
-    memory sooner)."""
+    steadiest; the round-11 kernel at its 128 x 64 x 8 warps took 0.115 ms there. fp32 streams (test models):
+    64 x 32 steps, 2 stages (fp32 tiles of 4 streams fill shared memory sooner)."""
     if x_dtype == torch.float32:
         return dict(BT=64, BD=32, num_warps=4, num_stages=2)
     return dict(BT=64, BD=32, num_warps=4, num_stages=3)
@@ -143,7 +143,7 @@ def launch(x: torch.Tensor, fn: torch.Tensor, pre: torch.Tensor | None, g: torch
     if t == 0:
         return
     cfg = default_config(t, d, x.dtype) | config
-    pieces = cached_flag("hc_mix fn pieces", fn, fn_pieces)  # fn is a weight: split once, not every call
+    pieces = cached_per_tensor("hc_mix fn pieces", fn, fn_pieces)  # fn is a weight: split once, not every call
     d_per = triton.cdiv(triton.cdiv(d, splits), cfg["BD"]) * cfg["BD"]
     used = triton.cdiv(d, d_per)
     if used < splits:  # a narrow D: the splits past it hold zeros

@@ -190,7 +190,7 @@ def launch(g: torch.Tensor, v: torch.Tensor, ws: torch.Tensor, offs: torch.Tenso
     if r == 0 or i == 0:
         return
     ws = ws.reshape(-1)
-    width = block if block else min(128, triton.next_power_of_2(i))  # one fq8 block (or 128 columns) ...
+    width = block if block else min(128, triton.next_power_of_2(i))  # one fq8 block (or 128 columns), NB a tile
     br, nb, warps = gpu_tile(i, width) if g.is_cuda else (8, _blocks_a_tile(i, width), 4)
     grid = (triton.cdiv(r, br), triton.cdiv(i, width * nb))
     split = scales is not None

@@ -42,21 +42,26 @@ def _words(x: torch.Tensor) -> torch.Tensor:
     row_bytes = x[0].numel() * x.element_size() if x.shape[0] else 0
     b = x.contiguous().view(torch.uint8).reshape(x.shape[0], row_bytes)
     for dt in _WORDS:
-        size = torch.empty((), dtype=dt).element_size()
-        if row_bytes % size == 0 and b.data_ptr() % size == 0:
+        if row_bytes % dt.itemsize == 0 and b.data_ptr() % dt.itemsize == 0:
             return b.view(dt)
     raise AssertionError("uint8 always divides")  # pragma: no cover
 
 
-def rotated_rows(x: torch.Tensor, size: int) -> torch.Tensor:
+def rotated_rows(x: torch.Tensor, size: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, ...] (CUDA, or CPU under TRITON_INTERPRET=1) -> [size * T, ...]: block r is ``x.roll(r * T // size, 0)``,
-    by one kernel launch. Any dtype (rows move as bytes)."""
+    by one kernel launch. Any dtype (rows move as bytes). ``out``: a contiguous buffer to write (tests poison it),
+    else a fresh one."""
     if size < 1:
         raise ValueError(f"rotated_rows: size >= 1 expected, got {size}")
     if not triton_can_run(x):
         raise cannot_run("rotated_rows", x)
     t = x.shape[0]
-    out = x.new_empty((size * t, *x.shape[1:]))
+    shape = (size * t, *x.shape[1:])
+    if out is None:
+        out = x.new_empty(shape)
+    elif out.shape != shape or out.dtype != x.dtype or not out.is_contiguous():
+        raise ValueError(f"rotated_rows: out must be a contiguous {tuple(shape)} {x.dtype} tensor, got "
+                         f"{tuple(out.shape)} {out.dtype}")
     if out.numel() == 0:
         return out
     src = _words(x)

@@ -34,6 +34,10 @@ def test_equals_the_rolls(t, size, dtype, shape):
     out = rotated_rows(x, size)
     assert out.shape == (size * t, *shape) and out.dtype == dtype and out.is_contiguous()
     assert torch.equal(out, rotated_blocks_ref(x, size))
+    poisoned = torch.empty_like(out)
+    poisoned.view(torch.uint8).fill_(0xA5)  # every byte written: none of the poison survives
+    rotated_rows(x, size, out=poisoned)
+    assert torch.equal(poisoned.view(torch.uint8), rotated_blocks_ref(x, size).contiguous().view(torch.uint8))
 
 
 @needs_kernel
@@ -47,11 +51,14 @@ def test_wide_rows_many_word_blocks_and_a_strided_input():
 
 
 @needs_kernel
-def test_empty_and_bad_size():
+def test_empty_bad_size_and_bad_out():
     x = rows(0, (4,), torch.float32, seed=0)
     assert rotated_rows(x, 4).shape == (0, 4)
+    y = rows(3, (2,), torch.float32, seed=0)
     with pytest.raises(ValueError, match="size >= 1"):
-        rotated_rows(rows(3, (2,), torch.float32, seed=0), 0)
+        rotated_rows(y, 0)
+    with pytest.raises(ValueError, match="out must be a contiguous"):
+        rotated_rows(y, 2, out=torch.empty(6, 3, device=DEV))
 
 
 def test_copy_path_equals_the_rolls():
