@@ -3,7 +3,9 @@ along K per 32, the 32 x 32-tile dequantised weight, ``F.linear``) against pass 
 
 T = 4,096 token rows, bf16. Per shape, timed in one run:
 - the model's code under ``torch.compile`` (static shapes): Inductor's fq8 and dequant kernels, then the GEMM;
-- pass N's op (its fq8 and dequant kernels, then the same GEMM call);
+- pass N's op with its dequantised-weight cache (``MINIDI_FP8_WEIGHT_CACHE_GB``, on by default on CUDA: its fq8
+  kernel, then the same GEMM call on the weight dequantised at its first call) and without it (its fq8 and dequant
+  kernels, then the GEMM);
 - the GEMM alone on operands prepared outside the timing (fq8'd input, dequantised weight): what either path costs
   beyond the GEMM is its time minus this row.
 TFLOP/s = 2 T N K / time (of the GEMM the linear is); ``ms`` is a call's wall time (its host launch overhead
@@ -18,13 +20,14 @@ Usage: python bench/bench_fp8_linear.py [--out PATH] [--smoke]. The LAST line pr
 from __future__ import annotations
 
 import argparse
+import os
 
 import torch
 import torch.nn.functional as F
 
 from minidi.model.presets import preset
 from minidi.model.quant import dequant_fp8, fq8, quantize_fp8
-from minidi.ops.fp8_linear import fp8_linear
+from minidi.ops.fp8_linear import WEIGHT_CACHE_ENV, fp8_linear
 
 if __package__:  # python -m bench.bench_fp8_linear, the tests
     from . import common
@@ -44,6 +47,21 @@ def shapes(smoke: bool) -> list[tuple[str, int, int]]:
 def model_linear(x, w, s):
     """``FP8Linear.forward`` with V4.1's blocks."""
     return F.linear(fq8(x, 32), dequant_fp8(w, s, 32, x.dtype))
+
+
+def uncached(fn):
+    """``fn`` with the dequantised-weight cache off (the setting is read at every call)."""
+    def call():
+        before = os.environ.get(WEIGHT_CACHE_ENV)
+        os.environ[WEIGHT_CACHE_ENV] = "0"
+        try:
+            return fn()
+        finally:
+            if before is None:
+                del os.environ[WEIGHT_CACHE_ENV]
+            else:
+                os.environ[WEIGHT_CACHE_ENV] = before
+    return call
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -75,6 +93,8 @@ def main(argv: list[str] | None = None) -> dict:
         bitwise = bool(torch.equal(got.view(torch.int16), want.view(torch.int16)))
         for key, label, fn in (("model", f"{name} [{n}, {k}]: model code, torch.compile", lambda: compiled(x, w, s)),
                                ("op", "  pass N op (fp8_linear)", lambda: fp8_linear(x, w, s, 32, 32)),
+                               ("op_nocache", "  pass N op, weight cache off",
+                                uncached(lambda: fp8_linear(x, w, s, 32, 32))),
                                ("gemm", "  the GEMM alone (operands prepared)", lambda: F.linear(xq, wd))):
             ms = common.op_ms(fn, device, args.smoke)
             common.table_row(table, label, ms, flops, "TFLOP/s", pk, base_ms, rel_err=err(fn()),

@@ -17,6 +17,7 @@ import torch
 import torch._inductor.config
 
 import minidi
+from minidi.ops import fp8_linear
 from minidi.runtime.engine import dynamic_shape_config
 from minidi.runtime.flops import mfu, step_flops
 
@@ -155,6 +156,8 @@ def run_mode(mode: str, wl, args, card: dict, out_dir: Path, held: dict | None =
         "logits_finite": bool(torch.isfinite(logits).all()), "stage_markers": not args.no_stage_markers,
         "cuda_graph": False, "trace": trace.name if trace else None,
         "phases_s": {k: round(v, 1) for k, v in phase.seconds.items()},
+        # the FP8 linears' dequantised weights kept after the steps (minidi.ops.fp8_linear.dequant_weight)
+        "fp8_weight_cache_gib": round(fp8_linear.weight_cache_bytes() / 2**30, 2),
     }
     if prof.kernels is not None:
         res["kernels"] = prof.kernels.rows

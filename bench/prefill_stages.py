@@ -63,7 +63,8 @@ OP_STAGE = {
                                          "fp4_grouped_mm", "fp4_grouped_mm_ref", "fp8_fp4_grouped_mm",
                                          "fp8_fp4_grouped_mm_ref", "fq8_split", "fq8_split_ref")},
     "minidi::rotated_blocks": "moe.comm",
-    **{f"minidi::{op}": None for op in ("hc_mix_partials", "hc_sinkhorn", "hc_expand")},  # None: "other"
+    **{f"minidi::{op}": None for op in ("hc_mix_partials", "hc_sinkhorn", "hc_expand",  # None: "other"
+                                        "head_logits", "head_logits_ref")},
 }
 OP_CAT = "cpu_op"
 

@@ -135,6 +135,19 @@ def _rope_key(compressed: bool) -> str:
     return "compressed" if compressed else "window"
 
 
+class OutputHead(nn.Module):
+    """The output projection (checkpoint name ``head.weight``, bf16 [V, D]): fp32 logits of the final-normed rows,
+    the official fp32 head GEMM. Its own module so that a per-layer compile compiles it too (pass O's site)."""
+
+    def __init__(self, vocab_size: int, dim: int) -> None:
+        super().__init__()
+        self.weight = weight_param(vocab_size, dim, dtype=torch.bfloat16)
+
+    def forward(self, y: torch.Tensor) -> torch.Tensor:
+        """y [L, D] -> logits [L, V] fp32."""
+        return y.float() @ self.weight.float().t()
+
+
 class Transformer(nn.Module):
     """``model(input_ids [S])`` -> fp32 logits [S, V] for one sequence starting at position 0.
 
@@ -157,8 +170,7 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(Block(cfg, i, self.rope[_rope_key(cfg.ratio(i) > 0)], engram_rows)
                                     for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.head = nn.Module()
-        self.head.weight = weight_param(cfg.vocab_size, cfg.dim, dtype=torch.bfloat16)
+        self.head = OutputHead(cfg.vocab_size, cfg.dim)
         if not cfg.is_v41:
             self.hc_head_fn = weight_param(cfg.hc_mult, cfg.hc_mult * cfg.dim, dtype=torch.float32)
             self.hc_head_base = weight_param(cfg.hc_mult, dtype=torch.float32)
@@ -290,5 +302,4 @@ class Transformer(nn.Module):
             y = hc_collapse(x, pre[meta.logit_rows])
         else:
             y = hc_head(x, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, cfg.hc_eps, cfg.norm_eps)
-        y = self.norm(y)
-        return y.float() @ self.head.weight.float().t()  # official: fp32 head GEMM
+        return self.head(self.norm(y))

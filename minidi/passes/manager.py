@@ -11,13 +11,14 @@ see ``docs/passes.md``.
 
 Pass order (each pass sees the graph the previous one left): C moe_combine, E gate_tf32x3, D fp4_grouped_mm, A
 sparse_attention, B indexer_topk, F hc_mix, J hc_mix_fused, K hc_sinkhorn, G hc_expand, H moe_activation, I
-moe_row_gather, L fp8_experts, M indexer_candidates, N fp8_linear. The passes touch disjoint subgraphs (B's top-k
-output feeds A's ``comp_idx``, and both read only the other's *result*); H and I read the GEMMs D leaves (either
-form), and J takes F's projection in either form (F's op or the naive GEMM), so apart from fp32 models (where H and
-I need D first) the order changes no match; it is fixed so that logs and graphs are stable. L rewrites D's and H's
+moe_row_gather, L fp8_experts, M indexer_candidates, N fp8_linear, O head_logits. The passes touch disjoint
+subgraphs (B's top-k output feeds A's ``comp_idx``, and both read only the other's *result*); H and I read the GEMMs
+D leaves (either form), and J takes F's projection in either form (F's op or the naive GEMM), so apart from fp32
+models (where H and I need D first) the order changes no match; it is fixed so that logs and graphs are stable. L rewrites D's and H's
 ops (and I's or the naive gather), so it comes after them and ``select`` refuses it without D and H; M rewrites B's
 op (a re-index layer's mask from candidate block ids -> candidate-only scoring) and needs B. N (each FP8 linear's
-fq8, weight dequant and GEMM -> one op) reads what the others leave of the linears' inputs.
+fq8, weight dequant and GEMM -> one op) reads what the others leave of the linears' inputs. O (the output head's
+fp32 GEMM) takes only a GEMM that is the graph's output, which no other pass's site is.
 
     manager = PassManager("all", strict=True, expected=expected_sites(cfg))
     manager.run(gm)                   # rewrites gm in place
@@ -47,6 +48,7 @@ from .rewrite_hc_expand import HCExpand
 from .rewrite_hc_mix import HCMixTF32x3
 from .rewrite_hc_mix_fused import HCMixFused
 from .rewrite_hc_sinkhorn import HCSinkhorn
+from .rewrite_head_logits import HeadLogits
 from .rewrite_indexer import IndexerTopK
 from .rewrite_indexer_candidates import IndexerCandidates
 from .rewrite_moe_activation import MoEActivation
@@ -63,7 +65,7 @@ log = logging.getLogger("minidi.passes")
 
 REWRITES: tuple[type[Rewrite], ...] = (MoECombine, GateTF32x3, FP4GroupedMM, SparseAttention, IndexerTopK,
                                         HCMixTF32x3, HCMixFused, HCSinkhorn, HCExpand, MoEActivation,
-                                        MoERowGather, FP8Experts, IndexerCandidates, FP8LinearOp)
+                                        MoERowGather, FP8Experts, IndexerCandidates, FP8LinearOp, HeadLogits)
 BY_KEY: dict[str, type[Rewrite]] = {r.key: r for r in REWRITES}
 BY_NAME: dict[str, type[Rewrite]] = {r.name: r for r in REWRITES}
 
@@ -183,9 +185,10 @@ class PassManager(_PassBase):
         self._check(counts, sites)
         return counts
 
-    def restore(self, layer: int, counts: dict[str, int]) -> None:
+    def restore(self, layer: int | None, counts: dict[str, int]) -> None:
         """Record the counts of a graph compiled for ``layer`` in another process (a warm start from precompiled
-        graphs, which runs no passes), checked against the expected sites of that layer as ``run`` checks them."""
+        graphs, which runs no passes), checked against the expected sites of that layer as ``run`` checks them
+        (``layer`` None: a graph of no layer, e.g. a per-layer compile's head graph)."""
         missing = [k for k in self.keys if k not in counts]
         if missing:
             raise PassMatchError(f"minidi passes: recorded counts for layer {layer} lack passes {missing}")
@@ -194,7 +197,8 @@ class PassManager(_PassBase):
         try:
             self.counts, self.sites = counts, {k: [layer] * n for k, n in counts.items()}
             self.history.append(dict(counts))
-            self.layer_counts[layer] = dict(counts)
+            if layer is not None:
+                self.layer_counts[layer] = dict(counts)
             self._check(counts, self.sites)
         finally:
             self.current_layer = None

@@ -69,7 +69,8 @@ def expected_sites(cfg: ModelConfig, regional: bool = False) -> dict[str, list[i
 up and down expert GEMMs on FP8), none without; M: every V4.1 re-index layer (its indexer scores only the candidate
     source's blocks); N: every FP8 linear (per layer the attention's wq_a, wq_b, wkv, wo_b and the shared expert's
     w1, w3, w2; an index-source layer's indexer wq_b; an Engram layer's wkv, except with ``regional``: the Engram
-    front graph has its own check). Only the selected passes are checked."""
+    front graph has its own check); O: the output head's GEMM (site None), except with ``regional`` (the head graph
+    has its own check: ``HEAD_PASSES``). Only the selected passes are checked."""
     layers = list(range(cfg.n_layers))
     head: list[int | None] = [] if (cfg.is_v41 or regional) else [None]
     return {
@@ -87,10 +88,12 @@ up and down expert GEMMs on FP8), none without; M: every V4.1 re-index layer (it
         "L": [i for i in layers for _ in range(FP8_EXPERT_SITES)] if fp8_experts_apply(cfg) else [],
         "M": [i for i in layers if cfg.is_candidate_filtered(i)],
         "N": [i for i in layers for _ in range(fp8_linears(cfg, i, regional))],
+        "O": [] if regional else [None],
     }
 
 
 FRONT_PASSES = ("N",)  # the passes with a site in a regional step's Engram front graph (its wkv)
+HEAD_PASSES = ("O",)  # the passes with a site in a regional step's head graph (its fp32 GEMM)
 
 
 def fp8_linears(cfg: ModelConfig, layer: int, regional: bool = False) -> int:
@@ -223,6 +226,8 @@ def uncompile(model_or_step: Any) -> None:
         owner.uncompile()
     for block in getattr(model_or_step, "layers", ()):
         block._compiled_call_impl = None  # a Block.compile() of anyone else's too
+    if isinstance(getattr(model_or_step, "head", None), torch.nn.Module):
+        model_or_step.head._compiled_call_impl = None
 
 
 def compile(  # noqa: A001 (minidi.compile mirrors torch.compile)
@@ -302,12 +307,19 @@ def compile(  # noqa: A001 (minidi.compile mirrors torch.compile)
         fronts = make_backend(front_manager, backend, faithful_rounding=faithful_rounding,
                               precompile_kernels=precompile_kernels, times=inner.times,  # type: ignore[attr-defined]
                               **codegen)
+        head_keys = [k for k in manager.keys if k in HEAD_PASSES]  # the head graph's one site: its GEMM (O)
+        head_manager = PassManager(head_keys, strict=strict, expected={k: [None] for k in head_keys},
+                                   op_backend=op_backend, keep_graphs=keep_graphs)
+        head = make_backend(head_manager, backend, faithful_rounding=faithful_rounding,
+                            precompile_kernels=precompile_kernels, times=inner.times,  # type: ignore[attr-defined]
+                            **codegen)
         precompiled = _precompiled_calls(cache, dynamic, fullgraph)
         step = RegionalStep(owner, manager, inner, dynamic=dynamic, progress=report, first=first,
-                            front_backend=fronts, precompiled=precompiled, fullgraph=fullgraph, **compile_kwargs)
+                            front_backend=fronts, head_backend=head, precompiled=precompiled, fullgraph=fullgraph,
+                            **compile_kwargs)
         if precompiled is not None:
             first.precompiled = lambda: (precompiled.dumps() if precompiled.compiled else None,
-                                         step.pass_manager.layer_counts)
+                                         step.recorded_counts())
         return step
     compiled = torch.compile(fn, backend=inner, fullgraph=fullgraph, dynamic=dynamic, **compile_kwargs)
     name = getattr(cfg, "name", None) or type(owner).__name__

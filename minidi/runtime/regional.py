@@ -59,6 +59,20 @@ def _compiled_layer(block: torch.nn.Module, backend: Callable, front_backend: Ca
     return call
 
 
+def _compiled_head(head: torch.nn.Module, backend: Callable, dynamic: bool | None, compile_kwargs: dict,
+                   precompiled: PrecompiledCalls | None = None) -> Callable:
+    """The output head's call (``OutputHead.forward``) compiled by ``backend`` (its own graph: pass O's one site),
+    through ``PrecompiledCalls`` (label "head") with a compile cache."""
+    if precompiled is None:
+        return torch.compile(head.forward, backend=backend, dynamic=dynamic, **compile_kwargs)
+    forward = type(head).forward
+
+    def call(y):
+        return precompiled("head", forward, head, y, backend=backend)
+
+    return call
+
+
 def _precompiled_layer(block: torch.nn.Module, backend: Callable, front_backend: Callable | None,
                        calls: PrecompiledCalls) -> Callable:
     """``_compiled_layer`` through ``PrecompiledCalls``: the class's ``core`` / ``front`` functions (the block as
@@ -82,8 +96,9 @@ class RegionalStep:
     40-layer model compiles a handful of graphs instead of one 40-layer graph (minutes less on the GPU). A minidi
     Block's Engram (``Block.front``) compiles apart from the rest (``Block.core``, ``_compiled_layer``): one graph for
     the Engram layers, so that they share their kind's graph (V4.1-Flash: 5 layer graphs instead of 7). Everything
-    between the layers (embedding, Engram hashing, head) runs eagerly. The step owns ``model.layer_hook`` (the model
-    calls it with the layer index before each layer) while compiled: it tells the pass manager which layer a graph
+    between the layers (embedding, Engram hashing, the final collapse and norm) runs eagerly; the output head's GEMM
+    (``model.head``, when ``head_backend`` is given) compiles as a graph of its own. The step owns
+    ``model.layer_hook`` (the model calls it with the layer index before each layer) while compiled: it tells the pass manager which layer a graph
     is compiled for and times each layer kind's compile. With ``strict``, every compiled graph is checked against
     the sites of the layer it was compiled for; ``counts`` is then the model's total, summing each layer's graph (a
     layer that ran a graph compiled for another layer of its kind counts that graph). ``uncompile()`` restores the
@@ -91,7 +106,8 @@ class RegionalStep:
 
     def __init__(self, model: torch.nn.Module, manager: PassManager, backend: Callable, *, dynamic: bool | None,
                  progress: Progress, first: FirstStep, front_backend: Callable | None = None,
-                 precompiled: PrecompiledCalls | None = None, **compile_kwargs: Any) -> None:
+                 head_backend: Callable | None = None, precompiled: PrecompiledCalls | None = None,
+                 **compile_kwargs: Any) -> None:
         if getattr(model, "layer_hook", None) is not None:
             raise RuntimeError("the model already has a layer_hook (compiled regionally already? uncompile() first)")
         self.model, self.pass_manager = model, manager
@@ -103,7 +119,8 @@ class RegionalStep:
         self.compile_s: dict[str, float] = {}  # the first call's seconds by phase (FirstStep.finish)
         self._open: tuple[int, int, float, Counter] | None = None  # (layer, graphs before, t0, cache counts)
         self._timed: set[Any] = set()
-        self.front_backend, self.precompiled = front_backend, precompiled
+        self.front_backend, self.head_backend, self.precompiled = front_backend, head_backend, precompiled
+        self.head_counts: dict[str, int] | None = None  # the head graph's pass counts (compiled or restored)
         if precompiled is not None and precompiled.loaded:
             self._restore_counts()
         for block in model.layers:
@@ -112,6 +129,9 @@ class RegionalStep:
                                                             precompiled)
             else:
                 block.compile(backend=backend, dynamic=dynamic, **compile_kwargs)
+        head = getattr(model, "head", None)
+        if head_backend is not None and isinstance(head, torch.nn.Module):
+            head._compiled_call_impl = _compiled_head(head, head_backend, dynamic, compile_kwargs, precompiled)
         model.layer_hook = self._before_layer
 
     def _restore_counts(self) -> None:
@@ -122,8 +142,13 @@ class RegionalStep:
         if not recorded:
             raise RuntimeError("minidi.compile: the compile cache entry holds precompiled graphs but no per-layer "
                                "pass counts")
+        recorded = dict(recorded)
+        head = recorded.pop("head", None)
         for layer, counts in sorted((int(k), v) for k, v in recorded.items()):
             self.pass_manager.restore(layer, counts)
+        if head is not None and self.head_backend is not None:
+            self.head_backend.pass_manager.restore(None, head)
+            self.head_counts = dict(self.head_backend.pass_manager.counts)
         self._progress(f"minidi.compile: {self.precompiled.loaded} precompiled graph(s) loaded in "
                        f"{self.precompiled.load_s:.1f} s (no tracing); pass counts from the entry: {self.counts}")
 
@@ -181,19 +206,34 @@ class RegionalStep:
         cached graphs stay until ``torch._dynamo.reset()``; the model is as it was before ``minidi.compile``.)"""
         for block in self.model.layers:
             block._compiled_call_impl = None  # what nn.Module.compile() set; torch has no public inverse
+        if isinstance(getattr(self.model, "head", None), torch.nn.Module):
+            self.model.head._compiled_call_impl = None
         if getattr(self.model, "layer_hook", None) == self._before_layer:
             self.model.layer_hook = None
 
     @property
     def counts(self) -> dict[str, int]:
-        """Matches summed over the model's layers (each layer counted with the graph of its kind)."""
+        """Matches summed over the model's layers (each layer counted with the graph of its kind), plus the head
+        graph's (pass O)."""
         by_kind = {self.kinds[i]: c for i, c in self.pass_manager.layer_counts.items()}
         total: Counter = Counter({k: 0 for k in self.pass_manager.keys})
         for i, kind in enumerate(self.kinds):
             if kind not in by_kind:
                 raise RuntimeError(f"layer {i} ran no compiled graph of its kind {kind} (has the step run?)")
             total.update(by_kind[kind])
+        total.update(self._head_counts())
         return dict(total)
+
+    def _head_counts(self) -> dict[str, int]:
+        if self.head_counts is not None:
+            return self.head_counts
+        history = getattr(getattr(self.head_backend, "pass_manager", None), "history", None)
+        return dict(history[-1]) if history else {}
+
+    def recorded_counts(self) -> dict:
+        """What a compile cache entry keeps of the counts: each layer's, and the head graph's under "head"."""
+        head = self._head_counts()
+        return {**self.pass_manager.layer_counts, **({"head": head} if head else {})}
 
     @property
     def graphs(self) -> int:

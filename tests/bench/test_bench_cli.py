@@ -15,7 +15,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCHES = ("bench_prefill", "bench_fp4_grouped_gemm", "bench_fp8_grouped_gemm", "bench_hc_mix", "bench_hc_expand",
-           "bench_ep_dispatch", "bench_indexer", "bench_moe_small_ops", "bench_sparse_attention", "bench_fp8_linear")
+           "bench_ep_dispatch", "bench_indexer", "bench_moe_small_ops", "bench_sparse_attention", "bench_fp8_linear",
+           "bench_head_logits")
 
 
 def _run(*cmd: str, timeout: int = 300) -> subprocess.CompletedProcess:
@@ -58,6 +59,13 @@ def test_torchrun_reference_cli(tmp_path):
     assert json.loads((tmp_path / "r.jsonl").read_text()) == res
     assert any(line.startswith("build model tiny-v41: ") for line in lines)
     assert any(line.startswith("[eager] timing (1 steps): ") for line in lines)
+
+
+def test_head_logits_smoke():
+    from bench import bench_head_logits
+
+    res = bench_head_logits.main(["--smoke"])
+    assert len(res["table"]) == 6 and all(r["rel_err"] < 1e-5 for r in res["table"])
 
 
 def test_fp8_grouped_gemm_smoke():

@@ -65,6 +65,7 @@ def test_result_line_fields(eager):
     assert res["faithful_rounding"] is None  # eager: nothing compiled (compiled modes record the setting)
     assert res["logits_finite"] is True
     assert len(res["host_enqueue_ms"]) == 2 and all(v > 0 for v in res["host_enqueue_ms"])
+    assert res["fp8_weight_cache_gib"] == 0  # the CPU keeps no dequantised weights by default (eager: no op either)
     assert {k: v for k, v in results[0].items() if k != "speedup_vs"} == {
         k: v for k, v in res.items() if k != "speedup_vs"}
 

@@ -45,7 +45,8 @@ OP_TESTS = ("tests/ops/test_fp4_grouped_gemm.py", "tests/ops/test_indexer_score.
             "tests/ops/test_sparse_attention.py", "tests/ops/test_hc_mix.py", "tests/ops/test_hc_sinkhorn.py",
             "tests/ops/test_indexer_fp8_quant.py", "tests/ops/test_indexer_score_fp8.py", "tests/ops/test_hc_expand.py",
             "tests/ops/test_fp8_experts.py", "tests/ops/test_indexer_candidates.py", "tests/ops/test_fp8_linear.py",
-            "tests/ops/test_fp4_grouped_gemm_sm90.py")
+            "tests/ops/test_fp4_grouped_gemm_sm90.py", "tests/ops/test_rotated_rows.py",
+            "tests/ops/test_head_logits.py")
 PER_KERNEL = 12  # specialisations kept per kernel: the first of each variant (its bool / small-int constexprs)
 
 

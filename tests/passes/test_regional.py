@@ -85,9 +85,10 @@ def test_history_holds_one_entry_per_compiled_graph(regional):
 
 def test_counts_sum_over_layers(regional):
     want = {k: len(v) for k, v in expected_sites(regional.cfg, regional=True).items()}
+    want["O"] += 1  # the head graph's GEMM: no layer's site (its own check), in the step's counts
     assert regional.step.counts == want == {"A": 10, "B": 4, "C": 10, "D": 30, "E": 10, "F": 20, "J": 20,
                                                     "K": 20, "G": 20, "H": 10, "I": 10, "L": 0,
-                                                    "M": 1, "N": 74}  # N: the 2 Engram wkv in the fronts
+                                                    "M": 1, "N": 74, "O": 1}  # N: the 2 Engram wkv in the fronts
     for i, counts in regional.manager.layer_counts.items():  # each graph: the sites of its own layer
         assert counts == {k: v.count(i) for k, v in expected_sites(regional.cfg, regional=True).items()}, i
 
@@ -98,6 +99,16 @@ def test_logits_equal_uncompiled(regional):
         assert (out - ref).abs().max().item() < TOL
 
 
+def test_head_compiled_as_its_own_graph(regional):
+    """The output head: one graph (both steps, 24 and 17 tokens, one logit row each), pass O's op in it, strict."""
+    head = regional.step.head_backend.pass_manager
+    assert head.history == [{"O": 1}] and head.keys == ["O"] and head.strict
+    _, after = head.graphs[-1]
+    ops = [n.target.__name__ for n in after.graph.nodes if n.op == "call_function"]
+    assert ops == ["head_logits"]
+    assert regional.model.head._compiled_call_impl is not None
+
+
 def test_second_token_count_reuses_the_graphs(regional):
     assert regional.histories[1] == regional.histories[0]
     assert regional.outs[1].shape[0] == SECOND
@@ -106,6 +117,16 @@ def test_second_token_count_reuses_the_graphs(regional):
 def test_layer_hook_installed_and_cleared(regional):
     assert regional.model.layer_hook is not None
     assert regional.manager.current_layer is None  # reset after each step
+
+
+def test_uncompile_restores_the_eager_model():
+    torch._dynamo.reset()
+    model = minidi.load_model("tiny-v41", dtype="float32", fake_quant=False)
+    step = minidi.compile(model, "all", regional=True, backend="aot_eager")
+    assert model.head._compiled_call_impl is not None and model.layer_hook is not None
+    step.uncompile()
+    assert model.head._compiled_call_impl is None and model.layer_hook is None
+    assert all(b._compiled_call_impl is None for b in model.layers)
 
 
 def test_naive_code_gone_from_a_layer_graph(regional):

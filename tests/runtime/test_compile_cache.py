@@ -183,12 +183,13 @@ def test_save_then_warm_start_in_fresh_processes(tmp_path):
     assert cold["cache"]["status"] == "miss" and cold["cache"]["saved"], cold["cache"]
     assert cold["cache"]["artifact_bytes"] > 0 and "compile cache saved" in cold["log"]
     assert cold["counts"] == {"A": 1, "B": 0, "C": 1, "D": 3, "E": 1, "F": 2, "J": 2, "K": 2, "G": 2, "H": 1,
-                              "I": 1, "L": 2, "M": 0, "N": 7}
+                              "I": 1, "L": 2, "M": 0, "N": 7, "O": 1}
     # a fresh process and an empty Inductor folder: everything it skips comes from the saved entry
     warm = run_child(tmp_path, "warm", "inductor_b")
     assert warm["cache"]["status"] == "hit" and not warm["cache"]["saved"], warm["cache"]
-    # the layer's graph was precompiled: loaded and called without Dynamo (no tracing, no passes, no caches asked)
-    assert "1 precompiled graph(s) loaded" in warm["log"] and "dynamo" not in warm["compile_s"], warm["compile_s"]
+    # the layer's graph and the head's were precompiled: loaded and called without Dynamo (no tracing, no passes,
+    # no caches asked)
+    assert "2 precompiled graph(s) loaded" in warm["log"] and "dynamo" not in warm["compile_s"], warm["compile_s"]
     assert warm["fx_hits"] == 0 and warm["aot_hits"] == 0 and warm["compile_s"]["passes"] == 0
     assert warm["counts"] == cold["counts"]  # the entry's per-layer counts, checked against the expected sites
     assert torch.equal(warm["logits"], cold["logits"])  # bitwise
