@@ -1,5 +1,5 @@
 """Benchmark of the small MoE ops at V4.1-Flash shapes (one H200): combine (C), router GEMM (E), expert
-activation (H) and dispatch gather (I). (Pass D's FP4 decode is inside the fused GEMM: bench_fp4_grouped_gemm.py.)
+activation (H), dispatch gather (I), router top-k (P) and the dispatch's sort by expert (Q). (Pass D's FP4 decode is inside the fused GEMM: bench_fp4_grouped_gemm.py.)
 
 For each op: the plain path eager and under stock ``torch.compile`` (no minidi passes), then minidi's op at its default
 config and a small sweep of tile configs (so one run tells what to change). Correctness of the op vs the plain path is
@@ -14,8 +14,11 @@ measured in the same run.
      SwiGLU x weight -> bf16 -> fq8 (blocks of 32, V4.1). Bytes = the local rows' g, v read + a written (the op's
      minimum); pass L's form writes e4m3 values + one fp32 scale per 32 instead of a.
   I  gather: x [16,384, 5,120] bf16 -> x[idx] [98,304, 5,120], a quarter local. Bytes = local rows read + written.
+  P  router top-k: s + bias [16,384, 384] fp32 (EP4's tokens; values on a coarse grid, so ties are common) -> top-6
+     with ties to the lowest expert id. Bytes = the scores read + values and int64 indices written.
+  Q  sort by expert: flat [98,304] int64 ids in [0, 384) -> stable order + counts. Bytes = ids read + order written.
 
-Usage: python bench/bench_moe_small_ops.py [--only C,E,H,I] [--out PATH]; --smoke runs tiny shapes (CPU interpreter ok).
+Usage: python bench/bench_moe_small_ops.py [--only C,E,H,I,P,Q] [--out PATH]; --smoke runs tiny shapes (CPU interpreter ok).
 Prints a card, a table per op, and as the LAST line one JSON object.
 """
 
@@ -34,7 +37,10 @@ from minidi.model.quant import fq8
 from minidi.ops import gate_tf32x3 as e_op
 from minidi.ops import moe_activation as h_op
 from minidi.ops import moe_combine as c_op
+from minidi.ops import expert_order as q_op
 from minidi.ops import moe_gather as i_op
+from minidi.ops import row_topk as p_op
+from minidi.selection import topk_lowest_index
 
 if __package__:  # python -m bench.bench_moe_small_ops, the tests
     from . import common
@@ -270,9 +276,51 @@ def bench_gather(pk: dict, smoke: bool) -> list:
     return table
 
 
+# ---- P: router top-k, Q: the dispatch's sort by expert ------------------------------------------------------------
+def _timed_three(table: list, naive, op, nbytes: float, pk: dict, smoke: bool) -> None:
+    """The plain path eager, under stock torch.compile, and minidi's op: one row each."""
+    base = {"eager": common.op_ms(naive, DEV, smoke)}
+    common.table_row(table, "plain torch eager", base["eager"], nbytes, "GB/s", pk, {})
+    naive_c = torch.compile(naive, dynamic=False)
+    naive_c()
+    base["compile"] = common.op_ms(naive_c, DEV, smoke)
+    common.table_row(table, "plain torch, torch.compile", base["compile"], nbytes, "GB/s", pk, {})
+    common.table_row(table, "minidi op", common.op_ms(op, DEV, smoke), nbytes, "GB/s", pk, base)
+
+
+def bench_row_topk(pk: dict, smoke: bool) -> list:
+    t, e, k = (64, 384, 6) if smoke else (16384, 384, 6)
+    torch.manual_seed(0)
+    x = torch.randint(-200, 200, (t, e), device=DEV).float() / 64  # a coarse grid: ties between experts
+    v, i = p_op.row_topk(x, k)
+    rv, ri = topk_lowest_index(x, k)
+    if not (torch.equal(i, ri) and torch.equal(v, rv)):
+        FAILURES.append("row_topk: picks differ from topk_lowest_index")
+    table: list = []
+    _timed_three(table, lambda: topk_lowest_index(x, k), lambda: p_op.row_topk(x, k), t * e * 4 + t * k * 12, pk,
+                 smoke)
+    common.print_table("P row_topk (bytes: scores read + values and indices written)", table)
+    return table
+
+
+def bench_expert_order(pk: dict, smoke: bool) -> list:
+    r, e = (384, 384) if smoke else (98304, 384)
+    torch.manual_seed(0)
+    flat = torch.randint(0, e, (r,), device=DEV)
+    o, c = q_op.expert_order(flat, e)
+    ro, rc = q_op.expert_order_ref(flat, e)
+    if not (torch.equal(o, ro) and torch.equal(c, rc)):
+        FAILURES.append("expert_order: order or counts differ from argsort(stable=True) / scatter_add_")
+    table: list = []
+    _timed_three(table, lambda: q_op.expert_order_ref(flat, e), lambda: q_op.expert_order(flat, e), r * 16, pk,
+                 smoke)
+    common.print_table("Q expert_order (bytes: ids read + order written)", table)
+    return table
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--only", default="C,E,H,I")
+    ap.add_argument("--only", default="C,E,H,I,P,Q")
     ap.add_argument("--out", default=None)
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, one timed run each (CPU interpreter ok)")
     args = ap.parse_args(argv)
@@ -284,7 +332,8 @@ def main(argv: list[str] | None = None) -> dict:
     result = {"bench": "moe_small_ops", "device": dev, "torch": torch.__version__, "triton": triton.__version__,
               "peaks": {k: round(v, 1) for k, v in pk.items()}}
     parts = {"C": ("moe_combine", bench_combine), "E": ("gate_tf32x3", bench_gate),
-             "H": ("moe_activation", bench_activation), "I": ("gather_rows", bench_gather)}
+             "H": ("moe_activation", bench_activation), "I": ("gather_rows", bench_gather),
+             "P": ("row_topk", bench_row_topk), "Q": ("expert_order", bench_expert_order)}
     with torch.inference_mode():
         for key in args.only.split(","):
             name, fn = parts[key.strip()]

@@ -10,11 +10,15 @@ the passes stay one row of peers (``fx_utils`` < ``patterns`` < ``rewrite_*`` < 
 - ``row_gather``: ``x[idx]``, the MoE dispatch gather (pass I, and pass L's naive form of it).
 - ``fq8_input``: the model's ``quant.fq8(x, block)`` as Dynamo records it (pass H's activation, pass L's expert
   inputs, pass N's linear inputs).
+- ``topk_set_call``: ``minidi.selection.topk_set`` inlined (pass B's top-k, and inside pass P's
+  ``topk_lowest_index``).
 - ``fp8_weight_dequant``: the model's ``formats.dequant_fp8(weight, scale, block, dtype)`` (pass N's weights), and
   ``e8m0_decode``: ``formats.e8m0_to_float(scale)`` inside it and inside pass D's FP4 decode.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch.fx import Node
@@ -224,3 +228,77 @@ def e8m0_decode(s: Node) -> tuple[Node, set[Node]] | None:
                 and is_call(fill, "full_like") and fill.args[0] is b and is_literal(fill.args[1], bits)):
             return None
     return b.args[0].args[0], {s, outer, is_nan, nan_bits, inner, is_zero, min_bits, shifted, b, b.args[0]}
+
+
+_INT32_MIN = torch.iinfo(torch.int32).min
+
+
+def sorted_along_last(node) -> Node | None:
+    """node = x.sort(dim=-1)[0] (ascending, the sort used nowhere else) -> the sort node."""
+    if not (is_call(node, "getitem") and node.args[1] == 0 and is_call(node.args[0], "sort")):
+        return None
+    srt = node.args[0]
+    if not (n_args(srt) == 2 and dims_equal(arg(srt, 1, "dim"), -1, 1)) or len(srt.users) != 1:
+        return None
+    return srt
+
+
+def _topk_of(node, x: Node, index: int) -> Node | None:
+    """node = x.topk(K, dim=-1)[index] -> K."""
+    if not (is_call(node, "getitem") and node.args[1] == index and is_call(node.args[0], "topk")):
+        return None
+    tk = node.args[0]
+    if tk.args[0] is not x or not (n_args(tk) == 3 and dims_equal(arg(tk, 2, "dim"), -1, 1)) or len(tk.users) != 1:
+        return None
+    return arg(tk, 1, "k")
+
+
+def topk_set_call(node, s: Node) -> tuple[object, object, set[Node]] | None:
+    """node = ``minidi.selection.topk_set(s, K)`` as Dynamo inlines it -> (K, N of the arange, its nodes)::
+
+        key  = s.masked_fill(s.isnan(), inf)
+        thr  = pad(key.topk(K, dim=-1)[0], (0, 1), value=inf).amin(dim=-1, keepdim=True)
+        rank = where(key > thr, 1, where(key == thr, -arange(N, dtype=int32), INT32_MIN))
+        node = rank.topk(K, dim=-1)[1].sort(dim=-1)[0]
+    """
+    srt = sorted_along_last(node)
+    if srt is None or not (is_call(srt.args[0], "getitem") and is_call(srt.args[0].args[0], "topk")):
+        return None
+    ti = srt.args[0]
+    rank_ = ti.args[0].args[0]
+    kk = _topk_of(ti, rank_, 1)
+    # rank = where(key > thr, 1, where(key == thr, -j, INT32_MIN))
+    if kk is None or not (is_call(rank_, "where") and len(rank_.args) == 3 and is_literal(rank_.args[1], 1)):
+        return None
+    gt, inner = rank_.args[0], rank_.args[2]
+    if not (is_call(inner, "where") and len(inner.args) == 3 and is_literal(inner.args[2], _INT32_MIN)):
+        return None
+    eq, neg = inner.args[0], inner.args[1]
+    if not (is_call(gt, "gt") and is_call(eq, "eq") and is_call(neg, "neg") and len(neg.args) == 1):
+        return None
+    key, thr = gt.args
+    if list(eq.args) != [key, thr]:
+        return None
+    j = neg.args[0]
+    if not (is_call(j, "arange") and len(j.args) == 1 and j.kwargs.get("dtype") == torch.int32):
+        return None
+    # key = s.masked_fill(s.isnan(), inf)
+    if not (is_call(key, "masked_fill") and n_args(key) == 3 and key.args[0] is s):
+        return None
+    nan = arg(key, 1, "mask")
+    if not (is_literal(arg(key, 2, "value"), math.inf) and is_call(nan, "isnan") and nan.args[0] is s):
+        return None
+    # thr = pad(key.topk(K, dim=-1)[0], (0, 1), value=inf).amin(dim=-1, keepdim=True)
+    if not (is_call(thr, "amin") and dims_equal(arg(thr, 1, "dim"), -1, 1) and arg(thr, 2, "keepdim") is True):
+        return None
+    pad = thr.args[0]
+    if not (is_call(pad, "pad") and isinstance(arg(pad, 1, "pad"), (tuple, list)) and tuple(pad.args[1]) == (0, 1)):
+        return None
+    if not (arg(pad, 2, "mode", "constant") == "constant" and is_literal(arg(pad, 3, "value"), math.inf)):
+        return None
+    tv = pad.args[0]
+    k2 = _topk_of(tv, key, 0)
+    if not (k2 is kk or (isinstance(kk, int) and k2 == kk)):
+        return None
+    nodes = {node, srt, ti, ti.args[0], rank_, gt, inner, eq, neg, j, key, nan, thr, pad, tv, tv.args[0]}
+    return kk, j.args[0], nodes

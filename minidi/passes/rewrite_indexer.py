@@ -43,76 +43,9 @@ from minidi.ops.indexer_score import indexer_topk
 from .base import Match, Rewrite
 from .fx_utils import (arg, const_number, dims_equal, dtype, is_call, is_literal, n_args, normalize_einsum, rank,
                        same_int, val)
+from .patterns import sorted_along_last, topk_set_call
 
 _QK = (torch.bfloat16, torch.float16, torch.float32)
-
-
-_INT32_MIN = torch.iinfo(torch.int32).min
-
-
-def _sorted(node) -> Node | None:
-    """node = x.sort(dim=-1)[0] (ascending) -> the sort node."""
-    if not (is_call(node, "getitem") and node.args[1] == 0 and is_call(node.args[0], "sort")):
-        return None
-    srt = node.args[0]
-    if not (n_args(srt) == 2 and dims_equal(arg(srt, 1, "dim"), -1, 1)) or len(srt.users) != 1:
-        return None
-    return srt
-
-
-def _topk(node, x: Node, index: int) -> Node | None:
-    """node = x.topk(K, dim=-1)[index] -> K."""
-    if not (is_call(node, "getitem") and node.args[1] == index and is_call(node.args[0], "topk")):
-        return None
-    tk = node.args[0]
-    if tk.args[0] is not x or not (n_args(tk) == 3 and dims_equal(arg(tk, 2, "dim"), -1, 1)) or len(tk.users) != 1:
-        return None
-    return arg(tk, 1, "k")
-
-
-def _topk_set(node, s: Node) -> tuple[object, object, set[Node]] | None:
-    """node = minidi.selection.topk_set(s, K) (inlined: see the module docstring) -> (K, N of the arange, its nodes)."""
-    srt = _sorted(node)
-    if srt is None or not (is_call(srt.args[0], "getitem") and is_call(srt.args[0].args[0], "topk")):
-        return None
-    ti = srt.args[0]
-    rank_ = ti.args[0].args[0]
-    kk = _topk(ti, rank_, 1)
-    # rank = where(key > thr, 1, where(key == thr, -j, INT32_MIN))
-    if kk is None or not (is_call(rank_, "where") and len(rank_.args) == 3 and is_literal(rank_.args[1], 1)):
-        return None
-    gt, inner = rank_.args[0], rank_.args[2]
-    if not (is_call(inner, "where") and len(inner.args) == 3 and is_literal(inner.args[2], _INT32_MIN)):
-        return None
-    eq, neg = inner.args[0], inner.args[1]
-    if not (is_call(gt, "gt") and is_call(eq, "eq") and is_call(neg, "neg") and len(neg.args) == 1):
-        return None
-    key, thr = gt.args
-    if list(eq.args) != [key, thr]:
-        return None
-    j = neg.args[0]
-    if not (is_call(j, "arange") and len(j.args) == 1 and j.kwargs.get("dtype") == torch.int32):
-        return None
-    # key = s.masked_fill(s.isnan(), inf)
-    if not (is_call(key, "masked_fill") and n_args(key) == 3 and key.args[0] is s):
-        return None
-    nan = arg(key, 1, "mask")
-    if not (is_literal(arg(key, 2, "value"), math.inf) and is_call(nan, "isnan") and nan.args[0] is s):
-        return None
-    # thr = pad(key.topk(K, dim=-1)[0], (0, 1), value=inf).amin(dim=-1, keepdim=True)
-    if not (is_call(thr, "amin") and dims_equal(arg(thr, 1, "dim"), -1, 1) and arg(thr, 2, "keepdim") is True):
-        return None
-    pad = thr.args[0]
-    if not (is_call(pad, "pad") and isinstance(arg(pad, 1, "pad"), (tuple, list)) and tuple(pad.args[1]) == (0, 1)):
-        return None
-    if not (arg(pad, 2, "mode", "constant") == "constant" and is_literal(arg(pad, 3, "value"), math.inf)):
-        return None
-    tv = pad.args[0]
-    k2 = _topk(tv, key, 0)
-    if not (k2 is kk or (isinstance(kk, int) and k2 == kk)):
-        return None
-    nodes = {node, srt, ti, ti.args[0], rank_, gt, inner, eq, neg, j, key, nan, thr, pad, tv, tv.args[0]}
-    return kk, j.args[0], nodes
 
 
 def _is_fq4(node) -> bool:
@@ -157,7 +90,7 @@ class IndexerTopK(Rewrite):
         after = eq.args[1]  # a sentinel past every column: -inf picks sort last
         if after < 2**31:
             return None
-        srt = _sorted(idx1)
+        srt = sorted_along_last(idx1)
         if srt is None or not (is_call(srt.args[0], "where") and len(srt.args[0].args) == 3):
             return None
         sel = srt.args[0]
@@ -170,7 +103,7 @@ class IndexerTopK(Rewrite):
         if arg(ga, 2, "index") is not idx0:
             return None
         scores = ga.args[0]
-        chosen = _topk_set(idx0, scores)
+        chosen = topk_set_call(idx0, scores)
         if chosen is None:
             return None
         kk, n_cols, set_nodes = chosen

@@ -70,7 +70,8 @@ up and down expert GEMMs on FP8), none without; M: every V4.1 re-index layer (it
     source's blocks); N: every FP8 linear (per layer the attention's wq_a, wq_b, wkv, wo_b and the shared expert's
     w1, w3, w2; an index-source layer's indexer wq_b; an Engram layer's wkv, except with ``regional``: the Engram
     front graph has its own check); O: the output head's GEMM (site None), except with ``regional`` (the head graph
-    has its own check: ``HEAD_PASSES``). Only the selected passes are checked."""
+    has its own check: ``HEAD_PASSES``); P: every layer routed by score (the router's top-k; hash-routed layers
+    have none); Q: every layer (the MoE dispatch's sort by expert). Only the selected passes are checked."""
     layers = list(range(cfg.n_layers))
     head: list[int | None] = [] if (cfg.is_v41 or regional) else [None]
     return {
@@ -89,6 +90,8 @@ up and down expert GEMMs on FP8), none without; M: every V4.1 re-index layer (it
         "M": [i for i in layers if cfg.is_candidate_filtered(i)],
         "N": [i for i in layers for _ in range(fp8_linears(cfg, i, regional))],
         "O": [] if regional else [None],
+        "P": [i for i in layers if not cfg.is_hash_layer(i)],
+        "Q": layers,
     }
 
 

@@ -55,10 +55,11 @@ def test_every_site_matched(compiled):
     if compiled.name == "tiny-v41":
         assert compiled.manager.counts == {"C": 10, "E": 10, "D": 30, "A": 10, "B": 4, "F": 20, "J": 20, "K": 20,
                                            "G": 20, "H": 10, "I": 10, "L": 0,
-                                           "M": 1, "N": 76, "O": 1}  # L: fake quant off
+                                           "M": 1, "N": 76, "O": 1, "P": 10, "Q": 10}  # L: fake quant off
     else:  # F, J: two mixers per layer + V4's hc_head
         assert compiled.manager.counts == {"C": 4, "E": 4, "D": 12, "A": 4, "B": 2, "F": 9, "J": 9, "K": 8, "G": 8,
-                                           "H": 4, "I": 4, "L": 0, "M": 0, "N": 30, "O": 1}
+                                           "H": 4, "I": 4, "L": 0, "M": 0, "N": 30, "O": 1, "P": 3,
+                                           "Q": 4}  # P: layer 0 is hash-routed
 
 
 def test_logits_equal_uncompiled(compiled):
@@ -91,6 +92,8 @@ def test_naive_ops_gone(compiled):
         "minidi.ops.moe_gather.gather_rows": want["I"],
         "minidi.ops.fp8_linear.fp8_linear": want["N"],
         "minidi.ops.head_logits.head_logits": want["O"],
+        "minidi.ops.row_topk.row_topk": want["P"],
+        "minidi.ops.expert_order.expert_order": want["Q"],
     })
     einsums = [n.args[0] for n in after.graph.nodes if n.op == "call_function" and "einsum" in str(n.target)]
     assert not {"thd,tkd->thk", "thk,tkd->thd", "thd,nd->thn", "rk,enk->ren"} & set(einsums)
@@ -141,6 +144,8 @@ hc_expand
 hc_mix_fused
 hc_sinkhorn
 gate_tf32x3
+row_topk
+expert_order
 gather_rows
 fp4_grouped_mm
 fp4_grouped_mm
@@ -220,7 +225,7 @@ def test_second_tiny_config_counts_traced():
     want = {k: len(v) for k, v in expected_sites(model.cfg).items()}
     assert trace_counts(model, 24) == want == {"A": 8, "B": 3, "C": 8, "D": 24, "E": 8, "F": 16, "J": 16, "K": 16,
                                                 "G": 16, "H": 8, "I": 8, "L": 0, "M": 1,
-                                                "N": 60, "O": 1}
+                                                "N": 60, "O": 1, "P": 8, "Q": 8}
 
 
 def test_production_settings_counts_traced():

@@ -125,4 +125,4 @@ def test_select_refuses_l_without_the_passes_it_rewrites():
         select("L")
     with pytest.raises(ValueError, match=r"passes H \(moe_activation\)"):
         select("D,I,L")
-    assert select("all")[-4:] == ["L", "M", "N", "O"] and select("D,H,L") == ["D", "H", "L"]
+    assert select("all")[-6:] == ["L", "M", "N", "O", "P", "Q"] and select("D,H,L") == ["D", "H", "L"]
