@@ -11,6 +11,17 @@ from torch._dynamo.testing import normalize_gm
 import minidi
 
 
+class Fn(torch.nn.Module):
+    """A plain function as a module (what ``minidi.compile`` takes): ``forward(*args)`` = ``fn(*args, **consts)``."""
+
+    def __init__(self, fn, **consts) -> None:
+        super().__init__()
+        self.fn, self.consts = fn, consts
+
+    def forward(self, *args):
+        return self.fn(*args, **self.consts)
+
+
 def compile_with(module: torch.nn.Module, passes: str, n_sites: int | None = None, strict: bool = False):
     """Compile ``module`` (static shapes, aot_eager) with ``passes``; the compiled callable keeps its graphs."""
     torch._dynamo.reset()

@@ -15,16 +15,7 @@ from minidi.model.quant import fq8, quantize_fp4
 from minidi.ops.fp8_experts import fp8_experts_down, fp8_experts_up
 from minidi.passes import select
 
-from .helpers import graph_text, run
-
-
-class Fn(torch.nn.Module):
-    def __init__(self, fn, **consts) -> None:
-        super().__init__()
-        self.fn, self.consts = fn, consts
-
-    def forward(self, *args):
-        return self.fn(*args, **self.consts)
+from .helpers import Fn, graph_text, run
 
 
 def experts(x, packed, scale, offs):

@@ -12,16 +12,7 @@ from expecttest import assert_expected_inline
 from minidi.model.model import OutputHead
 from minidi.model.moe import gate_logits_fp32
 
-from .helpers import call_targets, graph_text, run
-
-
-class Fn(torch.nn.Module):
-    def __init__(self, fn) -> None:
-        super().__init__()
-        self.fn = fn
-
-    def forward(self, *args):
-        return self.fn(*args)
+from .helpers import Fn, call_targets, graph_text, run
 
 
 def test_head_rewrite():

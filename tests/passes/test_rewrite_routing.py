@@ -11,16 +11,7 @@ from expecttest import assert_expected_inline
 
 from minidi.selection import topk_lowest_index, topk_set
 
-from .helpers import call_targets, graph_text, run
-
-
-class Fn(torch.nn.Module):
-    def __init__(self, fn) -> None:
-        super().__init__()
-        self.fn = fn
-
-    def forward(self, *args):
-        return self.fn(*args)
+from .helpers import Fn, call_targets, graph_text, run
 
 
 def scores(r=6, n=24, seed=0):

@@ -26,16 +26,7 @@ from minidi.model.sparse_attention import sparse_attention_naive
 from minidi.ops.sparse_attention import ROPE_OUT, ROPE_Q, sparse_attention
 from minidi.passes import PassMatchError
 
-from .helpers import call_targets, compile_with, graph_text, run
-
-
-class Fn(torch.nn.Module):
-    def __init__(self, fn, **consts) -> None:
-        super().__init__()
-        self.fn, self.consts = fn, consts
-
-    def forward(self, *args):
-        return self.fn(*args, **self.consts)
+from .helpers import Fn, call_targets, compile_with, graph_text, run
 
 
 # ---- C: moe combine -------------------------------------------------------------------------------------------------
