@@ -40,6 +40,15 @@ def _arg_type(v) -> str:
     raise TypeError(f"unsupported kernel argument {type(v).__name__}")
 
 
+def _divisible_by_16(v) -> bool:
+    """What Triton's launcher specialises as ``tt.divisibility`` 16: a pointer aligned to 16 bytes, an int (not a
+    bool) that is a multiple of 16. The GPU compiles that variant (wider loads, other registers); without it the
+    compile test would build scalar-load variants that never run."""
+    if isinstance(v, torch.Tensor):
+        return v.data_ptr() % 16 == 0
+    return isinstance(v, int) and not isinstance(v, bool) and v % 16 == 0
+
+
 OP_TESTS = ("tests/ops/test_fp4_grouped_gemm.py", "tests/ops/test_indexer_score.py", "tests/ops/test_topk.py",
             "tests/ops/test_gate_tf32x3.py", "tests/ops/test_fp8_quant.py", "tests/ops/test_fp8_grouped_gemm.py",
             "tests/ops/test_sparse_attention.py", "tests/ops/test_hc_mix.py", "tests/ops/test_hc_sinkhorn.py",
@@ -77,8 +86,9 @@ def record(path: str, models: tuple[str, ...] = ("tiny-v41", "tiny-v4")) -> None
                     sig[name] = _arg_type(v)
         except (KeyError, TypeError):  # an argument type this recorder does not map: not recorded, still run
             return run(self, *args, grid=grid, warmup=warmup, **kwargs)
+        divisible = [n for n, t in sig.items() if t != "constexpr" and _divisible_by_16(bound.get(n))]
         entry = {"module": self.fn.__module__, "name": self.fn.__name__, "signature": sig, "constexprs": consts,
-                 "options": {k: kwargs[k] for k in OPTIONS if k in kwargs}}
+                 "divisible": divisible, "options": {k: kwargs[k] for k in OPTIONS if k in kwargs}}
         variant = (entry["name"], json.dumps({k: v for k, v in consts.items()
                                               if isinstance(v, bool) or (isinstance(v, int) and 0 <= v < 4)},
                                              sort_keys=True))
@@ -121,7 +131,8 @@ def fp4_gpu_configs(recorded: list[dict]) -> list[dict]:
 
 
 def compile_all(path: str) -> list[str]:
-    """Compile every recorded launch, and the FP4 GEMM's GPU configs, for sm_90; returns one line per failure."""
+    """Compile every recorded launch, and the FP4 GEMM's GPU configs, for sm_90 at the recorded specialisation (the
+    arguments divisible by 16 marked as the launcher marks them); returns one line per failure."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -131,8 +142,10 @@ def compile_all(path: str) -> list[str]:
     for e in recorded + fp4_gpu_configs(recorded):
         kernel = getattr(importlib.import_module(e["module"]), e["name"])
         consts = {k: (False if k == "INTERPRET" else v) for k, v in e["constexprs"].items()}  # the GPU code path
+        names = list(e["signature"])  # the kernel's parameters in order: attrs are keyed by position
+        attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in e["divisible"]}
         try:
-            triton.compile(ASTSource(kernel, signature=e["signature"], constexprs=consts),
+            triton.compile(ASTSource(kernel, signature=e["signature"], constexprs=consts, attrs=attrs),
                            target=GPUTarget("cuda", 90, 32), options=e["options"])
         except Exception as err:  # noqa: BLE001 (reported by the test, with the kernel's name)
             failures.append(f"{e['module']}.{e['name']} {e['constexprs']}: {type(err).__name__}: {str(err)[-400:]}")

@@ -3,7 +3,10 @@ ptxas run without a GPU. The interpreter that runs the other op tests accepts co
 kernel reading a non-constexpr global passed every CPU test and failed to compile on the H200).
 
 The specialisations compiled are the recorded launches in ``tests/fixtures/kernel_launches.json`` (tiny-model steps
-and op tests under the interpreter; ``tests/ops/kernel_launches.py`` records them), with ``INTERPRET`` off."""
+and op tests under the interpreter; ``tests/ops/kernel_launches.py`` records them), with ``INTERPRET`` off and the
+arguments the launcher would mark divisible by 16 (aligned pointers, multiples of 16) marked so: the variant the GPU
+compiles for those arguments. The recorded sizes are the tiny models' and the op tests', so an int that is a multiple
+of 16 only at full size is compiled as it is recorded."""
 
 from __future__ import annotations
 
@@ -47,6 +50,7 @@ def test_fixture_covers_every_kernel_with_current_parameters():
         params = list(inspect.signature(kernels[key]).parameters)
         assert list(e["signature"]) == params, f"{key}: parameters changed {list(e['signature'])} -> {params}; " \
                                                f"run {RECORD}"
+        assert "divisible" in e and set(e["divisible"]) <= set(params), f"{key}: no divisibility recorded; run {RECORD}"
 
 
 def test_every_recorded_kernel_compiles_for_sm90():
