@@ -1,7 +1,7 @@
 """Registers and stack (spills) of hot kernels compiled for sm_90 at the specialisation they run with on the GPU
 (the launcher marks 16-byte aligned pointers and multiples of 16 as divisible; the recorded-launch fixture of
-``kernel_launches.py`` marks what it recorded at the tiny sizes, this file the full-size V4.1 shapes). ``test_kernel_resources_sm90.py`` drives it in a
-fresh process with the interpreter off:
+``kernel_launches.py`` marks what it recorded at the tiny sizes, this file the full-size V4.1 shapes).
+``test_kernel_resources_sm90.py`` drives it in a fresh process with the interpreter off:
 
     TRITON_INTERPRET=0 python -m tests.ops.kernel_resources     # one JSON line: {kernel: {"regs", "stack"}}
 """
