@@ -81,6 +81,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--compile_cache", default=None, metavar="DIR",
                     help="compiled artifacts for warm starts (minidi.compile's compile_cache): loaded when an entry "
                          "for this model, settings, software and device exists, else written after the first step")
+    ap.add_argument("--compile_workers", type=int, default=None, metavar="N",
+                    help="per-layer compile: compile the layer kinds in N worker processes at once while the first "
+                         "step runs its layers eagerly (0: in this process, one after another; default: one per kind "
+                         "on a GPU, up to half the CPUs, none on a CPU; minidi.compile's compile_workers)")
     ap.add_argument("--faithful_rounding", choices=("on", "off", "exact"), default="on",
                     help="on: compiled modes round where eager does (Inductor emulate_precision_casts; CPU graphs also "
                          "run ATen's reduction / transcendental kernels: bitwise eager); exact: those kernels on GPU "
@@ -124,7 +128,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="after the modes, one eager step that records the router's rows per local expert and layer "
                          "(bench/expert_loads.py; OUT_DIR/<model>_ep<N>_expert_loads.json)")
     ap.add_argument("--logits_out", default=None, metavar="PREFIX",
-                    help="save each mode's first-step logits to PREFIX.<mode>.pt (to compare runs bitwise)")
+                    help="save each mode's first-step logits to PREFIX.<mode>.pt and, with --warmup > 1, the second "
+                         "step's to PREFIX.<mode>.step2.pt (to compare runs bitwise; with compile workers the first "
+                         "step runs its layers eagerly)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--result_jsonl", default=None)
     ap.add_argument("--out_dir", default=None, help="traces and PNGs (default: next to --result_jsonl, or ./bench_out)")

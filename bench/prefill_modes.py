@@ -53,7 +53,7 @@ def make_step(model, mode: str, args):
                           dynamic=True, regional=args.compile_scope == "layer",
                           faithful_rounding=ROUNDING[args.faithful_rounding], autotune=args.autotune,
                           cpu_simd=args.cpu_simd, precompile_kernels=not args.no_precompile,
-                          compile_cache=args.compile_cache)
+                          compile_cache=args.compile_cache, compile_workers=args.compile_workers)
 
 
 def pass_matches(step) -> dict | None:
@@ -63,7 +63,8 @@ def pass_matches(step) -> dict | None:
     return step.counts if hasattr(step, "counts") else dict(manager.counts)
 
 
-COMPILE_RECORD_KEYS = ("compile_s", "compile_detail_s", "triton_jit", "kernel_precompile", "cache", "compile_cache")
+COMPILE_RECORD_KEYS = ("compile_s", "compile_detail_s", "triton_jit", "kernel_precompile", "compile_workers", "cache",
+                       "compile_cache")
 
 
 def compile_record(step) -> dict:
@@ -76,6 +77,8 @@ def compile_record(step) -> dict:
             "triton_jit": first.triton.record() if first is not None else None,  # compiles in this process
             # minidi's kernels handed to the compile pool before each graph's first run (kernel_precompile.py)
             "kernel_precompile": first.precompile if first is not None else None,
+            # layer kinds compiled in worker processes during an eager first step (compile_workers.py)
+            "compile_workers": first.workers if first is not None else None,
             "cache": cc.status if cc else None,
             "compile_cache": cc.summary() if cc else None}
 
@@ -117,9 +120,11 @@ def run_mode(mode: str, wl, args, card: dict, out_dir: Path, held: dict | None =
         if args.warmup > 1:
             with phase(f"warm-up ({args.warmup - 1} step{'s' * (args.warmup > 2)})"):
                 ticker = common.Ticker(f"[{mode}] warm-up steps", args.warmup - 1)
-                for _ in range(args.warmup - 1):
-                    run()
+                for i in range(args.warmup - 1):
+                    out = run()
                     common.sync(device)
+                    if args.logits_out and i == 0:  # the second step's: a compiled step also where the first ran
+                        torch.save(out.cpu(), f"{args.logits_out}.{mode}.step2.pt")  # eagerly (compile workers)
                     ticker.tick()
         with phase(f"timing ({args.steps} steps)"):
             times = common.step_times_ms(run, args.steps, device, common.Ticker(f"[{mode}] timed steps", args.steps))

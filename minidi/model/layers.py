@@ -36,22 +36,24 @@ def e8m0_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.view(E8M0_HELD) if t.dtype == torch.float8_e8m0fnu else t
 
 
+def _e8m0_to_bytes(mod: nn.Module, state_dict: dict, prefix: str, *args) -> None:
+    for name, p in mod.named_parameters(recurse=False):
+        key = prefix + name
+        if p.dtype == E8M0_HELD and key in state_dict:
+            state_dict[key] = e8m0_bytes(state_dict[key])
+
+
+def _e8m0_from_bytes(mod: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
+    for name, p in mod.named_parameters(recurse=False):
+        if p.dtype == E8M0_HELD and prefix + name in state_dict:
+            state_dict[prefix + name] = state_dict[prefix + name].view(torch.float8_e8m0fnu)
+
+
 def hold_e8m0_as_bytes(module: nn.Module) -> None:
-    """Translate this module's own E8M0 scale entries between the checkpoint dtype and the held bytes."""
-
-    def to_bytes(mod, state_dict, prefix, *args):
-        for name, p in mod.named_parameters(recurse=False):
-            key = prefix + name
-            if p.dtype == E8M0_HELD and key in state_dict:
-                state_dict[key] = e8m0_bytes(state_dict[key])
-
-    def to_e8m0(mod, state_dict, prefix, local_metadata):
-        for name, p in mod.named_parameters(recurse=False):
-            if p.dtype == E8M0_HELD and prefix + name in state_dict:
-                state_dict[prefix + name] = state_dict[prefix + name].view(torch.float8_e8m0fnu)
-
-    module._register_load_state_dict_pre_hook(to_bytes, with_module=True)
-    module._register_state_dict_hook(to_e8m0)
+    """Translate this module's own E8M0 scale entries between the checkpoint dtype and the held bytes (module-level
+    hooks: a module holding them pickles, e.g. to a compile worker)."""
+    module._register_load_state_dict_pre_hook(_e8m0_to_bytes, with_module=True)
+    module._register_state_dict_hook(_e8m0_from_bytes)
 
 
 class RMSNorm(nn.Module):

@@ -38,12 +38,15 @@ from typing import Any, Callable, Iterable
 import torch
 from torch.fx import GraphModule
 
+from minidi.model import stages
 from minidi.model.config import ModelConfig
 from minidi.passes import PassManager
 
-from .compile_cache import CompileCache, cacheable_minidi_calls, clear_recorded_artifacts, device_of, key_fields
+from .compile_cache import (CompileCache, cacheable_minidi_calls, clear_recorded_artifacts, device_of, key_fields,
+                            triton_dir)
 from .compile_settings import (Progress, cache_note, call_settings, codegen_config, dynamic_shape_config,
                                inductor_cache_counts, rounding_config)
+from .compile_workers import CompileWorkers, WorkerSettings
 from .first_step import FirstStep
 from .kernel_precompile import precompiler
 from .precompiled import PrecompiledCalls
@@ -199,13 +202,15 @@ class CompiledStep:
         self._compiled = self.fn
 
 
-def _precompiled_calls(cache: CompileCache | None, dynamic: bool | None, fullgraph: bool) -> PrecompiledCalls | None:
-    """Per-layer graphs compiled ahead of time where a compile cache keeps them (``precompiled.py``; torch >= 2.10,
-    whole graphs): loaded from a hit's entry, else compiled on the first step and saved into the entry."""
-    if cache is None or not fullgraph or not precompiled_available():
+def _precompiled_calls(cache: CompileCache | None, dynamic: bool | None, fullgraph: bool,
+                       workers: bool = False) -> PrecompiledCalls | None:
+    """Per-layer graphs compiled ahead of time where a compile cache keeps them or compile workers compile them
+    (``precompiled.py``; torch >= 2.10, whole graphs): loaded from a hit's entry, else compiled on the first step (in
+    the workers, or here) and saved into the entry."""
+    if (cache is None and not workers) or not fullgraph or not precompiled_available():
         return None
     calls = PrecompiledCalls(dynamic=dynamic)
-    if cache.status == "hit" and cache.precompiled:
+    if cache is not None and cache.status == "hit" and cache.precompiled:
         try:
             calls.loads(cache.precompiled)
         except Exception as e:  # a stale entry is compiled afresh, never half-used
@@ -215,6 +220,46 @@ def _precompiled_calls(cache: CompileCache | None, dynamic: bool | None, fullgra
             cache.status, cache.reason = "miss", f"precompiled graphs unreadable ({type(e).__name__})"
         cache.load_s += calls.load_s  # the entry's load: artifacts, kernels and these graphs
     return calls
+
+
+MAX_AUTO_WORKERS = 8  # compile_workers=None: at most this many processes
+
+
+def worker_count(requested: int | None, owner: Any, backend: Any, fullgraph: bool) -> int:
+    """How many compile workers a regional compile starts: ``requested`` if given (0: none); None: on a CUDA model
+    with a string backend and whole graphs, one per distinct label (layer kinds, an Engram front, the head), at most
+    half the CPUs and ``MAX_AUTO_WORKERS``; on a CPU model none (its cores are busy with the C++ compiles)."""
+    if requested is not None:
+        if requested < 0:
+            raise ValueError(f"compile_workers must be >= 0 or None, got {requested}")
+        if requested and not isinstance(backend, str):
+            raise ValueError("compile_workers needs the inner backend by name (a worker process builds it), got "
+                             f"{backend!r}")
+        if requested and not fullgraph:
+            raise ValueError("compile_workers needs fullgraph=True (workers compile whole layer graphs)")
+        return requested
+    if not isinstance(backend, str) or not fullgraph or device_of(owner).type != "cuda":
+        return 0
+    labels = len({layer_kind(b) for b in owner.layers}) + 2
+    return max(0, min(labels, (os.cpu_count() or 1) // 2, MAX_AUTO_WORKERS))
+
+
+def share_triton_cache(owner: Any) -> None:
+    """Compile workers and this process must use one Triton cache folder, so that the kernels a worker compiles
+    (minidi's ops, Inductor's launchers) are found here: ``TRITON_CACHE_DIR``, set where unset to the folder Inductor
+    itself would set at its first kernel load (``compile_cache.triton_dir``); the workers inherit it. Until Inductor
+    sets it, Triton's JIT would use its default folder (``~/.triton/cache``) in one process and Inductor's in
+    another."""
+    if os.environ.get("TRITON_CACHE_DIR"):
+        return
+    folder = triton_dir(device_of(owner))
+    if folder is not None:
+        os.environ["TRITON_CACHE_DIR"] = str(folder)
+
+
+def _cuda_index(owner: Any) -> int | None:
+    d = device_of(owner)
+    return (d.index if d.index is not None else torch.cuda.current_device()) if d.type == "cuda" else None
 
 
 def uncompile(model_or_step: Any) -> None:
@@ -251,6 +296,7 @@ def compile(  # noqa: A001 (minidi.compile mirrors torch.compile)
     precompile_kernels: bool = True,
     progress: Callable[[str], None] | None = None,
     compile_cache: str | os.PathLike | None = None,
+    compile_workers: int | None = None,
     **compile_kwargs: Any,
 ) -> CompiledStep | RegionalStep:
     """Compile a model step (a minidi ``Transformer``: its ``step``; or any callable / module) with minidi's passes.
@@ -274,7 +320,10 @@ def compile(  # noqa: A001 (minidi.compile mirrors torch.compile)
     artifacts (``compile_cache.py``): loaded before compiling when an entry for this model, these settings and this
     software and device exists, else written after the first step. The result has ``.pass_manager``,
     ``.compile_cache`` (None, or its status: ``.status`` "hit" / "miss", ``.reason``, ``.artifact_bytes``),
-    ``.compile_s`` (the first call's seconds by phase) and ``.uncompile()``.
+    ``.compile_s`` (the first call's seconds by phase) and ``.uncompile()``. ``compile_workers`` (``regional`` only):
+    compile the layer kinds in that many worker processes at once while the first step runs its layers eagerly
+    (``compile_workers.py``); None: one per kind, up to half the CPUs and ``MAX_AUTO_WORKERS``, on CUDA models with
+    a string ``backend``, else 0 (in-process, one kind after another).
     """
     fn = model_or_step
     owner = model_or_step
@@ -316,13 +365,26 @@ def compile(  # noqa: A001 (minidi.compile mirrors torch.compile)
         head = make_backend(head_manager, backend, faithful_rounding=faithful_rounding,
                             precompile_kernels=precompile_kernels, times=inner.times,  # type: ignore[attr-defined]
                             **codegen)
-        precompiled = _precompiled_calls(cache, dynamic, fullgraph)
+        n_workers = worker_count(compile_workers, owner, backend, fullgraph)
+        precompiled = _precompiled_calls(cache, dynamic, fullgraph, workers=n_workers > 0)
+        if precompiled is not None and n_workers and not precompiled.loaded:
+            settings = WorkerSettings(
+                strict=strict, op_backend=op_backend, backend=str(backend),
+                faithful_rounding=faithful_rounding, autotune=bool(autotune), cpu_simd=bool(cpu_simd),
+                precompile_kernels=precompile_kernels, dynamic=dynamic, recompile_limit=4 * len(owner.layers),
+                expected={"core": dict(expected or {}), "front": dict(front_manager.expected or {}),
+                          "head": dict(head_manager.expected or {})},
+                keys={"core": manager.keys, "front": front_keys, "head": head_keys},
+                stage_markers=stages.enabled(), cuda_device=_cuda_index(owner),
+                compile_threads=max(1, (os.cpu_count() or 1) // n_workers))
+            share_triton_cache(owner)
+            precompiled.workers = CompileWorkers(n_workers, settings)
         step = RegionalStep(owner, manager, inner, dynamic=dynamic, progress=report, first=first,
                             front_backend=fronts, head_backend=head, precompiled=precompiled, fullgraph=fullgraph,
                             **compile_kwargs)
         if precompiled is not None:
-            first.precompiled = lambda: (precompiled.dumps() if precompiled.compiled else None,
-                                         step.recorded_counts())
+            first.precompiled = lambda: (precompiled.dumps() if precompiled.compiled or precompiled.from_workers
+                                         else None, step.recorded_counts())
         return step
     compiled = torch.compile(fn, backend=inner, fullgraph=fullgraph, dynamic=dynamic, **compile_kwargs)
     name = getattr(cfg, "name", None) or type(owner).__name__

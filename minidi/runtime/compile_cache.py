@@ -6,7 +6,8 @@
 
 What is saved: ``torch.compiler.save_cache_artifacts()`` after the first step, i.e. the entries this process wrote to
 Inductor's FX graph cache (generated code, Triton kernels bundled on the GPU), AOTAutograd's cache, the autotuner's
-cache and Dynamo's PGO profiles. A warm start hands them to ``torch.compiler.load_cache_artifacts`` before anything
+cache and Dynamo's PGO profiles, and the same blob from each compile worker that compiled a layer kind
+(``compile_workers.py``): ``artifacts.bin`` is the list of those blobs. A warm start hands them to ``torch.compiler.load_cache_artifacts`` before anything
 compiles, so Inductor's lowering, code generation and C++ / Triton compiles are skipped wherever the caches hit, on
 any machine with the same key. Dynamo still traces every graph and minidi's passes still run on it: their match
 counts are checked as on a cold start (``strict``), and also compared with the counts the manifest recorded.
@@ -41,6 +42,7 @@ import io
 import json
 import logging
 import os
+import pickle
 import platform
 import tarfile
 import time
@@ -54,7 +56,7 @@ from minidi.model import stages
 log = logging.getLogger("minidi.compile")
 
 MANIFEST, ARTIFACTS, TRITON, PRECOMPILED = "manifest.json", "artifacts.bin", "triton.tar", "precompiled.bin"
-FORMAT = 2  # manifest layout version: a change makes every older entry a miss
+FORMAT = 3  # entry layout version: a change makes every older entry a miss (3: artifacts.bin holds a list of blobs)
 
 
 @functools.cache
@@ -148,6 +150,7 @@ class CompileCache:
         self.precompiled: bytes | None = None  # a hit's precompiled graphs (``precompiled.py``), if it saved any
         self.artifact_bytes, self.load_s, self.save_s = 0, 0.0, 0.0
         self.saved = False
+        self.worker_artifacts: list[bytes] = []  # compile workers' own recorded artifacts (``compile_workers.py``)
 
     # -- warm start ----------------------------------------------------------------------------------------------
     def load(self) -> str:
@@ -195,10 +198,13 @@ class CompileCache:
                 return "miss", f"corrupted entry: {name} does not match the sha256 its manifest recorded"
         kernels, precompiled = optional.get(TRITON, b""), optional.get(PRECOMPILED)
         try:
-            info = torch.compiler.load_cache_artifacts(blob)
+            blobs = pickle.loads(blob)  # a trusted entry (its sha256 checked above): this process's and workers'
+            if not isinstance(blobs, list) or not all(isinstance(b, bytes) for b in blobs):
+                raise TypeError(f"{ARTIFACTS} holds {type(blobs).__name__}, not a list of blobs")
+            infos = [torch.compiler.load_cache_artifacts(b) for b in blobs]
         except Exception as e:  # a format torch no longer reads: rebuilt, never half-used
             return "miss", f"stale entry: torch refused the artifacts ({type(e).__name__}: {e})"
-        if info is None:
+        if not infos or any(info is None for info in infos):
             return "miss", "stale entry: torch read no artifacts from it"
         if kernels:
             try:
@@ -245,13 +251,17 @@ class CompileCache:
             return
         t0 = time.perf_counter()
         saved = torch.compiler.save_cache_artifacts()
-        if saved is None or not saved[0]:
+        blobs = ([saved[0]] if saved is not None and saved[0] else []) + [b for b in self.worker_artifacts if b]
+        if not blobs:
             log.warning("minidi.compile: compile cache: torch recorded no artifacts to save (the caches were off, "
                         "or the backend %r writes none); nothing written", self.fields.get("backend"))
             return
-        blob, info = saved
+        blob = pickle.dumps(blobs)
+        info = saved[1] if saved is not None and saved[0] else None
         kernels, n_kernels = _pack_kernels(triton_dir(self.device), self._triton_before)
         kinds = {k: len(v) for k, v in getattr(info, "artifacts", {}).items()}
+        if self.worker_artifacts:
+            kinds["compile workers' artifact sets"] = len(self.worker_artifacts)
         manifest = {"fields": self.fields, "key": self.key, "artifacts_sha256": hashlib.sha256(blob).hexdigest(),
                     "artifact_bytes": len(blob), "artifacts": kinds, "counts": counts,
                     "triton_sha256": hashlib.sha256(kernels).hexdigest() if kernels else None,

@@ -126,6 +126,7 @@ class FirstStep:
         # () -> (precompiled graphs' bytes or None, per-layer pass counts): what a compile cache entry also keeps
         # when the layers were compiled ahead of time (``precompiled.py``); set by ``minidi.compile``
         self.precompiled: Callable[[], tuple[bytes | None, dict[int, dict[str, int]]]] | None = None
+        self.workers: dict[str, Any] | None = None  # compile workers' record (``RegionalStep._collect_workers``)
 
     def start(self) -> None:
         self.t0, self.torch0, self.mine0 = time.perf_counter(), _torch_compile_seconds(), dict(self.times)
@@ -152,6 +153,8 @@ class FirstStep:
         if "dynamo" in out:  # Dynamo's time includes the backend's: what is left is tracing (and guards)
             out["dynamo_trace"] = max(out["dynamo"] - out["passes"] - out["kernel_precompile"] - out["backend"], 0.0)
             out["run_and_eager"] = max(total - out["dynamo"], 0.0)
+        if self.workers is not None:  # the main process's wait for the compile workers after the eager layers
+            out["compile_workers_wait"] = self.workers["wait_s"]
         if self.triton.seen:  # Triton compiles in this process (minidi's kernels at their first call, mostly)
             out["triton_jit"] = self.triton.seconds
         if self.cache is not None:

@@ -61,25 +61,70 @@ class PrecompiledCalls:
         self.compiled: list[str] = []
         self.loaded = 0
         self.load_s = 0.0
+        self.workers: Any = None  # a ``CompileWorkers`` for the first step (``compile_workers.py``), or None
+        self.sent: dict[str, list[Any]] = {}  # labels handed to the workers -> the variant of each job
+        self.from_workers: list[str] = []  # labels whose graphs came from the workers
 
-    def __call__(self, label: str, fn: Callable, *args: Any, backend: Callable) -> Any:
+    def __call__(self, label: str, fn: Callable, *args: Any, backend: Callable, variant: Any = ()) -> Any:
         """``fn(*args)`` through the first variant of ``label`` whose guards accept ``args``, compiling one with
         ``backend`` (a ``torch.compile`` backend: minidi's pass backend) if none does. ``fn`` is a plain function
         (``Block.core``, the module passed as its first argument), so that every layer of a kind runs the one
-        compiled variant with its own parameters."""
+        compiled variant with its own parameters. With ``workers`` (the first step), a label without a variant is
+        sent to a worker at its first call and runs eagerly until ``collect`` loads what the worker compiled;
+        ``variant`` (hashable) tells calls apart that need another graph of the same label: a call whose variant
+        was not sent yet is sent too (``regional.py``: the Engram fronts' parameter shapes)."""
         for compiled in self.fns.get(label, ()):
             if compiled.guard_check(*args):
                 return compiled.fn(*args)
+        if self.workers is not None and label not in self.fns:
+            if variant in self.sent.get(label, ()) or self._send(label, fn, args, backend, variant):
+                return eager_call(fn, args)
         if self.fns.get(label):
             log.info("minidi.compile: no compiled variant of %s accepts this call's inputs (guards: %s); compiling "
                      "another", label, self._why(self.fns[label][-1], args))
+        return self.compile(label, fn, *args, backend=backend).fn(*args)
+
+    def compile(self, label: str, fn: Callable, *args: Any, backend: Callable) -> Any:
+        """Compile a variant of ``label`` for ``fn(*args)`` ahead of time (nothing runs) and keep it."""
         with torch._dynamo.config.patch(enable_aot_compile=True):  # torch 2.11 attaches .aot_compile only then
             wrapper = torch.compile(fn, backend=_serializable(backend), fullgraph=True, dynamic=self.dynamic,
                                     options={"guard_filter_fn": self._guard_filter(label)})
         compiled = wrapper.aot_compile((args, {}))
         self.fns.setdefault(label, []).append(compiled)
         self.compiled.append(label)
-        return compiled.fn(*args)
+        return compiled
+
+    def _send(self, label: str, fn: Callable, args: tuple, backend: Callable, variant: Any) -> bool:
+        manager = getattr(backend, "pass_manager", None)
+        layer = getattr(manager, "current_layer", None)
+        if not self.workers.submit(label, layer, fn, args):
+            return False
+        self.sent.setdefault(label, []).append(variant)
+        return True
+
+    def collect(self) -> list[Any]:
+        """After the first step: wait for the workers' results (``JobResult``s, submission order), load each graph
+        that compiled, stop the workers. A label whose job failed keeps no variant: it compiles at its next call."""
+        workers, self.workers = self.workers, None
+        if workers is None:
+            return []
+        try:
+            results = workers.results()
+        finally:
+            workers.close()
+            if torch.cuda.is_available() and torch.cuda.is_initialized():
+                torch.cuda.ipc_collect()  # the blocks the workers received by IPC and released: reusable again
+        for r in results:
+            if r.blob is None:
+                continue
+            try:
+                self.loads(r.blob)
+            except Exception as e:  # a graph that does not load is compiled here at its next call
+                r.blob, r.error = None, f"not loaded ({type(e).__name__}: {e})"
+                continue
+            self.from_workers.append(r.label)
+        self.sent.clear()
+        return results
 
     def _guard_filter(self, label: str) -> Callable:
         """torch's own filter for precompiled graphs (guards on globals and on object identities cannot be saved),
@@ -126,12 +171,30 @@ class PrecompiledCalls:
             raise ValueError(f"precompiled graphs: format {data.get('format') if isinstance(data, dict) else '?'}, "
                              f"this minidi reads {FORMAT}")
         for label, blobs in data["fns"].items():
-            self.fns[label] = [AOTCompiledFunction.deserialize(b) for b in blobs]
+            self.fns.setdefault(label, []).extend(AOTCompiledFunction.deserialize(b) for b in blobs)
             self.loaded += len(blobs)
-        self.load_s = time.perf_counter() - t0
+        self.load_s += time.perf_counter() - t0
 
     def labels(self) -> list[str]:
         return sorted(self.fns)
+
+
+def eager_call(fn: Callable, args: tuple) -> Any:
+    """``fn(*args)`` run eagerly (a layer whose graph a worker is compiling), with the eager temporaries of the
+    module it is given bounded as in the benchmark's eager mode (``Transformer.set_eager_budget``), then unbounded
+    again (the state compiled graphs are traced in)."""
+    from minidi.model.model import EAGER_BUDGET_BYTES
+
+    module = args[0] if args and isinstance(args[0], torch.nn.Module) else None
+    held = [m for m in module.modules() if hasattr(m, "eager_budget")] if module is not None else []
+    before = [m.eager_budget for m in held]
+    for m in held:
+        m.eager_budget = EAGER_BUDGET_BYTES
+    try:
+        return fn(*args)
+    finally:
+        for m, b in zip(held, before):
+            m.eager_budget = b
 
 
 def _serializable(backend: Callable) -> Callable:
@@ -183,4 +246,4 @@ class SerializedGraph(_SerializableBase):  # type: ignore[misc,valid-type]
         return self.bundled(*args, **kwargs)
 
 
-__all__ = ["PrecompiledCalls", "SerializedGraph", "available"]
+__all__ = ["PrecompiledCalls", "SerializedGraph", "available", "eager_call"]

@@ -17,6 +17,7 @@ import torch
 from minidi.passes import PassManager
 
 from .compile_settings import Progress, cache_note, call_settings, inductor_cache_counts
+from .compile_workers import role_of
 from .first_step import FirstStep
 from .precompiled import PrecompiledCalls
 
@@ -81,9 +82,14 @@ def _precompiled_layer(block: torch.nn.Module, backend: Callable, front_backend:
     cls, kind = type(block), _describe(layer_kind(block))
     has_front = getattr(block, "has_front", False)
 
+    # Engram fronts share the label "front"; Dynamo guards parameter shapes as constants, so fronts whose tables
+    # differ in size need graphs of their own: a compile worker is sent one per parameter-shape set
+    front_variant = tuple((n, tuple(p.shape), p.dtype) for n, p in block.named_parameters()) if has_front else ()
+
     def call(x, pre, meta, cache, shared, engram_ids=None):
         if has_front:
-            x = calls("front", cls.front, block, x, engram_ids, backend=front_backend or backend)
+            x = calls("front", cls.front, block, x, engram_ids, backend=front_backend or backend,
+                      variant=front_variant)
         return calls(f"core {kind}", cls.core, block, x, pre, meta, cache, shared, backend=backend)
 
     return call
@@ -192,6 +198,8 @@ class RegionalStep:
             self.first_step.triton.stop()  # also when the first call raised: no listener left behind
             self._close_layer()
             self.pass_manager.current_layer = None
+            if first and self.precompiled is not None and self.precompiled.workers is not None:
+                self._collect_workers(ok)
             if first and ok:
                 self.compile_s = self.first_step.finish(lambda: self.counts if self.pass_manager.keys else {})
             if first:
@@ -200,6 +208,51 @@ class RegionalStep:
                 self._progress(f"minidi.compile: compiled {len(self.pass_manager.history) - graphs} graph(s) for "
                                f"{len(set(self.kinds))} layer kinds{extra} in {time.perf_counter() - t0:.1f} s "
                                "(first step, eager parts included)")
+
+    def _collect_workers(self, ok: bool) -> None:
+        """The end of a first step whose layer kinds compiled in worker processes (``compile_workers.py``): wait for
+        them, load their graphs, restore their pass counts into this step's managers (checked as a compile checks
+        them: a strict mismatch raises here) and report one line per kind. After a failed step the workers are only
+        stopped."""
+        t0 = time.perf_counter()
+        results = self.precompiled.collect()
+        wait = time.perf_counter() - t0
+        self.first_step.workers = {"workers": len({r.worker for r in results}), "wait_s": round(wait, 2),
+                                   "jobs": [{"label": r.label, "layer": r.layer, "worker": r.worker,
+                                             "s": round(r.seconds, 2), "compile_s": round(r.compile_s, 2),
+                                             "ok": r.blob is not None} for r in results]}
+        if not ok:
+            return
+        order = list(dict.fromkeys(self.kinds))
+        by_label = {f"core {_describe(k)}": k for k in order}
+        managers = {"front": getattr(self.front_backend, "pass_manager", None),
+                    "head": getattr(self.head_backend, "pass_manager", None)}
+        mismatches = []
+        for r in results:
+            if r.blob is None:
+                if r.pass_mismatch:
+                    mismatches.append(r.error.splitlines()[0] if r.error else r.label)
+                else:
+                    self._progress(f"minidi.compile: {r.label} did not compile in its worker ({(r.error or '')[:300]});"
+                                   " it compiles here at its next call")
+                continue
+            if self.compile_cache is not None and r.artifacts:
+                self.compile_cache.worker_artifacts.append(r.artifacts)  # saved in the entry with this process's
+            role = role_of(r.label)
+            manager = self.pass_manager if role == "core" else managers.get(role)
+            if manager is not None and r.counts is not None:
+                manager.restore(r.layer if role == "core" else None, r.counts)
+            kind = by_label.get(r.label)
+            what = (f"layer kind {order.index(kind) + 1}/{len(order)} ({_describe(kind)}), serves layers "
+                    f"{[j for j, k in enumerate(self.kinds) if k == kind]}" if kind is not None else r.label)
+            self._progress(f"minidi.compile: {what}: compiled in worker {r.worker} in {r.compile_s:.1f} s (ready "
+                           f"{r.seconds:.1f} s after it was sent)")
+        if mismatches:
+            from minidi.passes import PassMatchError
+
+            raise PassMatchError("; ".join(mismatches))
+        self._progress(f"minidi.compile: {len(results)} graph(s) from {self.first_step.workers['workers']} compile "
+                       f"worker(s); waited {wait:.1f} s for them after the eager first step")
 
     def uncompile(self) -> None:
         """The model's eager calls back: every block's compiled call dropped, the layer hook removed. (Dynamo's

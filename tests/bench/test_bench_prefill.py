@@ -247,7 +247,7 @@ def test_eager_mode_sets_the_memory_budget_and_compiled_modes_clear_it():
         EAGER_BUDGET_BYTES}
     make_step(model, "compile", argparse.Namespace(passes="all", backend="aot_eager", compile_scope="layer",
                                                   faithful_rounding="on", autotune=False, cpu_simd=False,
-                                                  no_precompile=False, compile_cache=None))
+                                                  no_precompile=False, compile_cache=None, compile_workers=None))
     assert {b.ffn.experts.eager_budget for b in model.layers} == {b.attn.eager_budget for b in model.layers} == {None}
     torch._dynamo.reset()
     minidi.uncompile(model)

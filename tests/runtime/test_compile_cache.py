@@ -142,8 +142,10 @@ def test_new_triton_kernels_are_packed_and_unpacked_inside_the_folder(tmp_path, 
 
 
 # ---- a save, then warm starts in fresh processes ----------------------------------------------------------------
-def _child(out: str, cache_dir: str) -> None:
-    """Run in a child process: compile the one-layer model with a compile cache, one step, save the logits."""
+def _child(out: str, cache_dir: str, workers: str = "0") -> None:
+    """Run in a child process: compile the one-layer model with a compile cache (its layer kind in ``workers``
+    compile worker processes, or here), two steps from an empty cache each, save the second step's logits (the
+    first runs the layers eagerly where a worker compiles them)."""
     from minidi.model.context import ModelCache, StepMeta
     from minidi.runtime.compile import dynamic_shape_config
 
@@ -152,8 +154,10 @@ def _child(out: str, cache_dir: str) -> None:
     cfg = model.cfg
     ids = torch.randint(0, cfg.vocab_size, (24,), generator=torch.Generator().manual_seed(0))
     meta = StepMeta.for_sequence(ids, cfg.window_size, model.ratios, 0)
-    step = minidi.compile(model, "all", strict=True, regional=True, compile_cache=cache_dir)
+    step = minidi.compile(model, "all", strict=True, regional=True, compile_cache=cache_dir,
+                          compile_workers=int(workers))
     with torch.no_grad(), dynamic_shape_config():
+        step(meta, ModelCache())
         logits = step(meta, ModelCache())
     from torch._dynamo.utils import counters
 
@@ -163,14 +167,15 @@ def _child(out: str, cache_dir: str) -> None:
                       "aot_hits": counters["aot_autograd"]["autograd_cache_hit"]}))
 
 
-def run_child(tmp: Path, name: str, inductor_dir: str) -> dict:
+def run_child(tmp: Path, name: str, inductor_dir: str, workers: int = 0) -> dict:
     """The children run without the Triton interpreter: the graph, its passes and the cache entry are the same, the
     inserted ops run their references (``op_backend="auto"``) instead of ~12 s of interpreted kernels per child."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(TORCHINDUCTOR_CACHE_DIR=str(tmp / inductor_dir),
                PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     p = subprocess.run([sys.executable, "-m", "tests.runtime.test_compile_cache", str(tmp / f"{name}.pt"),
-                        str(tmp / "cc")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+                        str(tmp / "cc"), str(workers)], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=600)
     assert p.returncode == 0, p.stderr[-4000:]
     res = json.loads(p.stdout.strip().splitlines()[-1])
     res["log"] = p.stderr
@@ -179,9 +184,11 @@ def run_child(tmp: Path, name: str, inductor_dir: str) -> dict:
 
 
 def test_save_then_warm_start_in_fresh_processes(tmp_path):
-    cold = run_child(tmp_path, "cold", "inductor_a")
+    # the cold start compiles its layer kind and head in a compile worker: the entry holds the worker's artifacts
+    cold = run_child(tmp_path, "cold", "inductor_a", workers=1)
     assert cold["cache"]["status"] == "miss" and cold["cache"]["saved"], cold["cache"]
     assert cold["cache"]["artifact_bytes"] > 0 and "compile cache saved" in cold["log"]
+    assert "compiled in worker 0" in cold["log"] and "compile workers' artifact sets" in cold["log"]
     assert cold["counts"] == {"A": 1, "B": 0, "C": 1, "D": 3, "E": 1, "F": 2, "J": 2, "K": 2, "G": 2, "H": 1,
                               "I": 1, "L": 2, "M": 0, "N": 7, "O": 1, "P": 1, "Q": 1}
     # a fresh process and an empty Inductor folder: everything it skips comes from the saved entry
@@ -193,7 +200,8 @@ def test_save_then_warm_start_in_fresh_processes(tmp_path):
     assert warm["fx_hits"] == 0 and warm["aot_hits"] == 0 and warm["compile_s"]["passes"] == 0
     assert warm["counts"] == cold["counts"]  # the entry's per-layer counts, checked against the expected sites
     assert torch.equal(warm["logits"], cold["logits"])  # bitwise
-    # a corrupted artifact file: detected, not loaded, rebuilt (from inductor_b's local caches: cheap) and rewritten
+    # a corrupted artifact file: detected, not loaded, rebuilt in this process (no workers; from inductor_b's local
+    # caches: cheap) and rewritten
     entry = Path(cold["cache"]["path"])
     blob = bytearray((entry / ARTIFACTS).read_bytes())
     blob[len(blob) // 2] ^= 0xFF
@@ -210,4 +218,4 @@ def test_save_then_warm_start_in_fresh_processes(tmp_path):
 if __name__ == "__main__":
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
     logging.getLogger("minidi.compile").setLevel(logging.INFO)
-    _child(*sys.argv[1:3])
+    _child(*sys.argv[1:4])
