@@ -6,10 +6,12 @@
     step.pass_manager.counts                              # tiny V4.1: {"C": 10, "E": 10, "D": 30, "A": 10, ...}
     step.uncompile()                                      # the model runs eagerly again
 
-What lives here and not in ``minidi/passes`` (which knows passes, not models): the backend that runs the passes and
-then the inner backend, the model's expected sites (``expected_sites``) and the whole-step compile
-(``CompiledStep``). Beside it: per-layer compilation (``regional.py``: ``RegionalStep``, one graph per layer kind;
-with a compile cache, layers compiled ahead of time, ``precompiled.py``), the settings a compiled step runs under
+What lives here and not in ``minidi/passes`` (which knows passes, not models): the model's expected sites
+(``expected_sites``), the whole-step compile (``CompiledStep``) and how many compile workers a per-layer compile
+starts (``worker_count``). Beside it: the backend that runs the passes and then the inner backend
+(``pass_backend.py``), per-layer compilation (``regional.py``: ``RegionalStep``, one graph per layer kind; with a
+compile cache or compile workers, layers compiled ahead of time, ``precompiled.py``, in worker processes during an
+eager first step, ``compile_workers.py``), the settings a compiled step runs under
 and its progress lines (``compile_settings.py``: one graph for every batch shape, faithful rounding, the lines of
 logger ``minidi.compile``), the compile cache (``compile_cache.py``) and the first step's bookkeeping
 (``first_step.py``).
@@ -36,19 +38,16 @@ import time
 from typing import Any, Callable, Iterable
 
 import torch
-from torch.fx import GraphModule
 
 from minidi.model import stages
 from minidi.model.config import ModelConfig
 from minidi.passes import PassManager
 
-from .compile_cache import (CompileCache, cacheable_minidi_calls, clear_recorded_artifacts, device_of, key_fields,
-                            triton_dir)
-from .compile_settings import (Progress, cache_note, call_settings, codegen_config, dynamic_shape_config,
-                               inductor_cache_counts, rounding_config)
+from .compile_cache import CompileCache, clear_recorded_artifacts, device_of, key_fields, triton_dir
+from .compile_settings import Progress, cache_note, call_settings, dynamic_shape_config, inductor_cache_counts
 from .compile_workers import CompileWorkers, WorkerSettings
 from .first_step import FirstStep
-from .kernel_precompile import precompiler
+from .pass_backend import make_backend
 from .precompiled import PrecompiledCalls
 from .precompiled import available as precompiled_available
 from .regional import RegionalStep, layer_kind
@@ -113,56 +112,6 @@ def fp8_experts_apply(cfg: ModelConfig) -> bool:
     """Pass L has its sites (the up and down expert GEMMs) where the experts' inputs are fq8 in blocks of a multiple
     of 32: with fake quant on (both presets)."""
     return cfg.fake_quant and cfg.act_block % 32 == 0
-
-
-def make_backend(manager: PassManager, inner: str | Callable = "inductor", *,
-                 faithful_rounding: bool | str = True, autotune: bool = False, cpu_simd: bool = False,
-                 precompile_kernels: bool = True, times: dict[str, float] | None = None) -> Callable:
-    """A ``torch.compile`` backend: run the passes on Dynamo's GraphModule, then the inner backend on the result,
-    with Inductor's ``emulate_precision_casts`` set to ``faithful_rounding`` and its code generation settings
-    (``codegen_config``: ``autotune``, ``cpu_simd``) while the inner backend compiles. ``precompile_kernels``: between
-    the two, hand the Triton kernels of the graph's minidi ops to a compile pool (``kernel_precompile.py``), so that
-    they compile while AOT and Inductor work and the graph's first run finds them compiled.
-    ``times`` (default: a new one): the dict its seconds in the passes / the precompile submission / the inner
-    backend add up in (two backends of one step share one)."""
-    from torch._dynamo.backends.registry import lookup_backend
-
-    if not (isinstance(faithful_rounding, bool) or faithful_rounding == "exact"):
-        raise ValueError(f"faithful_rounding must be True, False or 'exact', got {faithful_rounding!r}")
-    inner_fn = lookup_backend(inner) if isinstance(inner, str) else inner
-    times = {"passes": 0.0, "precompile": 0.0, "backend": 0.0} if times is None else times
-
-    def minidi_backend(gm: GraphModule, example_inputs: list) -> Callable:
-        n, layer = len(manager.history), manager.current_layer
-        before = manager.layer_counts.get(layer)
-        t0 = time.perf_counter()
-        manager.run(gm)
-        t1 = time.perf_counter()
-        times["passes"] += t1 - t0
-        if precompile_kernels:
-            try:
-                precompiler().submit_graph(gm)
-            except Exception as e:  # an optimisation only: the kernels then compile at their first launch
-                log.warning("minidi.compile: kernels not precompiled for this graph (%s: %s)", type(e).__name__, e)
-            times["precompile"] = times.get("precompile", 0.0) + time.perf_counter() - t1
-            t1 = time.perf_counter()
-        try:
-            with rounding_config(faithful_rounding, example_inputs), cacheable_minidi_calls(gm), \
-                    codegen_config(example_inputs, autotune=autotune, cpu_simd=cpu_simd):
-                return inner_fn(gm, example_inputs)
-        except BaseException:  # e.g. a restart of the trace: this graph is discarded, so forget its counts
-            del manager.history[n:]
-            if layer is not None:
-                manager.layer_counts.pop(layer, None)
-                if before is not None:
-                    manager.layer_counts[layer] = before
-            raise
-        finally:
-            times["backend"] += time.perf_counter() - t1
-
-    minidi_backend.pass_manager = manager  # type: ignore[attr-defined]
-    minidi_backend.times = times  # type: ignore[attr-defined]  # seconds in the passes / the inner backend
-    return minidi_backend
 
 
 class CompiledStep:

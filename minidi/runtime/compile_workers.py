@@ -36,6 +36,15 @@ from typing import Any, Callable
 
 import torch
 
+from minidi.model import stages
+from minidi.passes import PassManager, PassMatchError
+
+from .compile_cache import clear_recorded_artifacts
+from .compile_settings import call_settings
+from .kernel_precompile import precompiler
+from .pass_backend import make_backend
+from .precompiled import PrecompiledCalls
+
 log = logging.getLogger("minidi.compile")
 
 EXIT = b""  # the message that stops a worker
@@ -156,14 +165,16 @@ class CompileWorkers:
         self.pending.clear()
         return out
 
-    def close(self) -> None:
+    def close(self, wait: bool = True) -> None:
+        """Stop the workers: each finishes its job and exits (``wait``), or is terminated at once."""
         for conn in self.conns:
             try:
                 conn.send_bytes(EXIT)
             except OSError:
                 pass
         for p in self.procs:
-            p.join(timeout=10)
+            if wait:
+                p.join(timeout=10)
             if p.is_alive():
                 p.terminate()
                 p.join(timeout=5)
@@ -176,8 +187,6 @@ class CompileWorkers:
 def _serve(conn: Any, settings: WorkerSettings, index: int) -> None:
     """A worker's loop: receive a job, compile it, send the result, until ``EXIT``."""
     import torch._inductor.config as inductor_config
-
-    from minidi.model import stages
 
     if settings.cuda_device is not None:
         torch.cuda.set_device(settings.cuda_device)
@@ -194,8 +203,6 @@ def _serve(conn: Any, settings: WorkerSettings, index: int) -> None:
         try:
             msg = _compile_job(settings, data)
         except BaseException as e:  # noqa: BLE001 (every failure goes back to the main process)
-            from minidi.passes import PassMatchError
-
             msg = {"error": f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=8)}",
                    "pass_mismatch": isinstance(e, PassMatchError)}
         msg["compile_s"] = time.perf_counter() - t0
@@ -217,13 +224,6 @@ def _release_inputs() -> None:
 
 
 def _compile_job(settings: WorkerSettings, data: bytes) -> dict[str, Any]:
-    from minidi.passes import PassManager
-
-    from .compile import make_backend
-    from .compile_cache import clear_recorded_artifacts
-    from .compile_settings import call_settings
-    from .precompiled import PrecompiledCalls
-
     label, layer, fn, args, grad, dtype = pickle.loads(data)
     role = role_of(label)
     manager = PassManager(settings.keys[role], strict=settings.strict, expected=settings.expected[role],
@@ -241,8 +241,6 @@ def _compile_job(settings: WorkerSettings, data: bytes) -> dict[str, Any]:
     finally:
         torch.set_default_dtype(previous)
     if settings.precompile_kernels:  # minidi's kernels of this graph compiled into Triton's cache before answering
-        from .kernel_precompile import precompiler
-
         precompiler().wait()
     counts = manager.history[-1] if manager.history else {}
     saved = torch.compiler.save_cache_artifacts()  # this job's Inductor / AOT cache entries, for a compile cache

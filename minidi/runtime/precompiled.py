@@ -102,6 +102,13 @@ class PrecompiledCalls:
         self.sent.setdefault(label, []).append(variant)
         return True
 
+    def drop_workers(self) -> None:
+        """Stop the workers without waiting for their compiles (the first step failed); nothing is loaded."""
+        workers, self.workers = self.workers, None
+        if workers is not None:
+            workers.close(wait=False)
+        self.sent.clear()
+
     def collect(self) -> list[Any]:
         """After the first step: wait for the workers' results (``JobResult``s, submission order), load each graph
         that compiled, stop the workers. A label whose job failed keeps no variant: it compiles at its next call."""

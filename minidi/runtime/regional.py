@@ -199,7 +199,10 @@ class RegionalStep:
             self._close_layer()
             self.pass_manager.current_layer = None
             if first and self.precompiled is not None and self.precompiled.workers is not None:
-                self._collect_workers(ok)
+                if ok:
+                    self._collect_workers()
+                else:  # the step failed: its error, not the workers' compiles, is what the caller waits for
+                    self.precompiled.drop_workers()
             if first and ok:
                 self.compile_s = self.first_step.finish(lambda: self.counts if self.pass_manager.keys else {})
             if first:
@@ -209,11 +212,10 @@ class RegionalStep:
                                f"{len(set(self.kinds))} layer kinds{extra} in {time.perf_counter() - t0:.1f} s "
                                "(first step, eager parts included)")
 
-    def _collect_workers(self, ok: bool) -> None:
+    def _collect_workers(self) -> None:
         """The end of a first step whose layer kinds compiled in worker processes (``compile_workers.py``): wait for
         them, load their graphs, restore their pass counts into this step's managers (checked as a compile checks
-        them: a strict mismatch raises here) and report one line per kind. After a failed step the workers are only
-        stopped."""
+        them: a strict mismatch raises here) and report one line per kind."""
         t0 = time.perf_counter()
         results = self.precompiled.collect()
         wait = time.perf_counter() - t0
@@ -221,8 +223,6 @@ class RegionalStep:
                                    "jobs": [{"label": r.label, "layer": r.layer, "worker": r.worker,
                                              "s": round(r.seconds, 2), "compile_s": round(r.compile_s, 2),
                                              "ok": r.blob is not None} for r in results]}
-        if not ok:
-            return
         order = list(dict.fromkeys(self.kinds))
         by_label = {f"core {_describe(k)}": k for k in order}
         managers = {"front": getattr(self.front_backend, "pass_manager", None),

@@ -9,6 +9,8 @@ settings (clear errors).
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from torch._dynamo.backends.registry import lookup_backend
@@ -71,6 +73,18 @@ def test_a_worker_that_dies_leaves_its_kind_to_this_process():
     assert all(r.blob is None and "exited" in r.error for r in results)
     check_eager(m, x, call(calls, "doubled", m, x))
     assert calls.compiled == ["doubled"] and calls.from_workers == []
+
+
+def test_workers_of_a_failed_first_step_are_stopped_without_waiting():
+    calls = PrecompiledCalls(dynamic=True)
+    calls.workers = CompileWorkers(1, settings())
+    procs = list(calls.workers.procs)
+    m, x = Toy(16, True), torch.randn(5, 16)
+    call(calls, "doubled", m, x)  # a job in flight
+    t0 = time.perf_counter()
+    calls.drop_workers()
+    assert time.perf_counter() - t0 < 8 and not any(p.is_alive() for p in procs)
+    assert calls.workers is None and calls.fns == {} and calls.sent == {}
 
 
 def one_layer_model() -> torch.nn.Module:
