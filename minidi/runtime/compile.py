@@ -292,6 +292,8 @@ def compile(  # noqa: A001 (minidi.compile mirrors torch.compile)
     report = Progress(progress)
     if regional and (not hasattr(owner, "layers") or not hasattr(owner, "step")):
         raise TypeError("regional compilation needs a minidi Transformer (with .layers and .step)")
+    if compile_workers and not regional:
+        raise ValueError(f"compile_workers={compile_workers} needs regional=True (the workers compile layer kinds)")
     cache = None
     if compile_cache is not None:
         fields = key_fields(owner, passes=manager.keys, strict=strict, op_backend=op_backend,

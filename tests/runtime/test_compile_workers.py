@@ -153,3 +153,5 @@ def test_worker_count_rules():
         worker_count(2, model, "inductor", False)
     with pytest.raises(ValueError, match=">= 1"):
         CompileWorkers(0, settings())
+    with pytest.raises(ValueError, match="needs regional=True"):
+        minidi.compile(model, "none", compile_workers=2)
