@@ -148,6 +148,16 @@ class OutputHead(nn.Module):
         return y.float() @ self.weight.float().t()
 
 
+def set_eager_budget(module: nn.Module, nbytes: int | None = EAGER_BUDGET_BYTES) -> None:
+    """``Transformer.set_eager_budget`` for any part of a model (a Block run eagerly on its own): every submodule
+    with an ``eager_budget`` gets ``nbytes``."""
+    if nbytes is not None and nbytes < 0:
+        raise ValueError(f"eager budget must be >= 0 bytes or None, got {nbytes}")
+    for m in module.modules():
+        if hasattr(m, "eager_budget"):
+            m.eager_budget = nbytes
+
+
 class Transformer(nn.Module):
     """``model(input_ids [S])`` -> fp32 logits [S, V] for one sequence starting at position 0.
 
@@ -243,11 +253,7 @@ class Transformer(nn.Module):
         temporaries). The model never asks whether it is being compiled: runtime code that runs it eagerly at long
         contexts sets a budget (the benchmark's eager mode and expert-loads step; a full-size fp32 reference), and
         code that compiles it leaves (or sets) None."""
-        if nbytes is not None and nbytes < 0:
-            raise ValueError(f"eager budget must be >= 0 bytes or None, got {nbytes}")
-        for module in self.modules():
-            if hasattr(module, "eager_budget"):
-                module.eager_budget = nbytes
+        set_eager_budget(self, nbytes)
 
     @property
     def ratios(self) -> tuple[int, ...]:

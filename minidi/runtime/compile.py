@@ -318,21 +318,21 @@ def compile(  # noqa: A001 (minidi.compile mirrors torch.compile)
                             **codegen)
         n_workers = worker_count(compile_workers, owner, backend, fullgraph)
         precompiled = _precompiled_calls(cache, dynamic, fullgraph, workers=n_workers > 0)
+        step = RegionalStep(owner, manager, inner, dynamic=dynamic, progress=report, first=first,
+                            front_backend=fronts, head_backend=head, precompiled=precompiled, fullgraph=fullgraph,
+                            **compile_kwargs)
         if precompiled is not None and n_workers and not precompiled.loaded:
             settings = WorkerSettings(
                 strict=strict, op_backend=op_backend, backend=str(backend),
                 faithful_rounding=faithful_rounding, autotune=bool(autotune), cpu_simd=bool(cpu_simd),
-                precompile_kernels=precompile_kernels, dynamic=dynamic, recompile_limit=4 * len(owner.layers),
+                precompile_kernels=precompile_kernels, dynamic=dynamic, recompile_limit=step.recompile_limit,
                 expected={"core": dict(expected or {}), "front": dict(front_manager.expected or {}),
                           "head": dict(head_manager.expected or {})},
                 keys={"core": manager.keys, "front": front_keys, "head": head_keys},
                 stage_markers=stages.enabled(), cuda_device=_cuda_index(owner),
-                compile_threads=max(1, (os.cpu_count() or 1) // n_workers))
+                compile_threads=max(1, (os.cpu_count() or 1) // n_workers), save_artifacts=cache is not None)
             share_triton_cache(owner)
             precompiled.workers = CompileWorkers(n_workers, settings)
-        step = RegionalStep(owner, manager, inner, dynamic=dynamic, progress=report, first=first,
-                            front_backend=fronts, head_backend=head, precompiled=precompiled, fullgraph=fullgraph,
-                            **compile_kwargs)
         if precompiled is not None:
             first.precompiled = lambda: (precompiled.dumps() if precompiled.compiled or precompiled.from_workers
                                          else None, step.recorded_counts())

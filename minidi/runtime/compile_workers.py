@@ -25,7 +25,6 @@ its pass managers (checked again), and later steps run the compiled graphs. The 
 
 from __future__ import annotations
 
-import io
 import logging
 import pickle
 import time
@@ -68,6 +67,7 @@ class WorkerSettings:
     stage_markers: bool = True
     cuda_device: int | None = None
     compile_threads: int = 1
+    save_artifacts: bool = False  # send back the job's Inductor / AOT cache entries (for a compile cache entry)
 
 
 @dataclass
@@ -95,28 +95,17 @@ def role_of(label: str) -> str:
     return label if label in ROLES else "core"
 
 
-def dumps_job(job: tuple) -> bytes:
-    """The job as bytes with torch's multiprocessing reductions (CUDA tensors by IPC handle, CPU ones through shared
-    memory), pickled now, on this thread: what the worker sees is the arguments as they are at this call."""
-    import torch.multiprocessing.reductions  # noqa: F401  (registers torch's reductions with ForkingPickler)
-
-    buf = io.BytesIO()
-    ForkingPickler(buf, pickle.HIGHEST_PROTOCOL).dump(job)
-    return buf.getvalue()
-
-
 class CompileWorkers:
     """``n`` spawned worker processes, each compiling the jobs it is sent one at a time (``submit``); ``results``
     waits for every job and ``close`` stops them. Started at construction, so that their imports overlap the main
     process's work until the first job."""
 
     def __init__(self, n: int, settings: WorkerSettings) -> None:
-        import torch.multiprocessing as mp
+        import torch.multiprocessing as mp  # also registers torch's reductions with ForkingPickler
 
         if n < 1:
             raise ValueError(f"compile_workers must be >= 1, got {n}")
         ctx = mp.get_context("spawn")
-        self.settings = settings
         self.conns: list[Any] = []
         self.procs: list[Any] = []
         for i in range(n):
@@ -132,8 +121,10 @@ class CompileWorkers:
     def submit(self, label: str, layer: int | None, fn: Callable, args: tuple) -> bool:
         """Send ``fn(*args)``'s compile under ``label`` to the least busy worker; False (and logged) if the job
         cannot be sent (an argument that does not pickle, a worker gone): the caller compiles it itself."""
-        try:
-            data = dumps_job((label, layer, fn, args, torch.is_grad_enabled(), torch.get_default_dtype()))
+        try:  # pickled now, on this thread (torch's reductions: CUDA tensors by IPC handle, CPU ones through shared
+            # memory): the worker sees the arguments as they are at this call
+            data = ForkingPickler.dumps((label, layer, fn, args, torch.is_grad_enabled(), torch.get_default_dtype()),
+                                        pickle.HIGHEST_PROTOCOL)
         except Exception as e:
             log.warning("minidi.compile: %s not sent to a compile worker (%s: %s); it compiles here", label,
                         type(e).__name__, e)
@@ -243,9 +234,9 @@ def _compile_job(settings: WorkerSettings, data: bytes) -> dict[str, Any]:
     if settings.precompile_kernels:  # minidi's kernels of this graph compiled into Triton's cache before answering
         precompiler().wait()
     counts = manager.history[-1] if manager.history else {}
-    saved = torch.compiler.save_cache_artifacts()  # this job's Inductor / AOT cache entries, for a compile cache
-    clear_recorded_artifacts()
+    saved = torch.compiler.save_cache_artifacts() if settings.save_artifacts else None
+    clear_recorded_artifacts()  # the next job's entries are its own
     return {"blob": calls.dumps(), "counts": dict(counts), "artifacts": saved[0] if saved is not None else None}
 
 
-__all__ = ["CompileWorkers", "JobResult", "WorkerSettings", "dumps_job", "role_of"]
+__all__ = ["CompileWorkers", "JobResult", "WorkerSettings", "role_of"]

@@ -187,21 +187,19 @@ class PrecompiledCalls:
 
 
 def eager_call(fn: Callable, args: tuple) -> Any:
-    """``fn(*args)`` run eagerly (a layer whose graph a worker is compiling), with the eager temporaries of the
-    module it is given bounded as in the benchmark's eager mode (``Transformer.set_eager_budget``), then unbounded
-    again (the state compiled graphs are traced in)."""
-    from minidi.model.model import EAGER_BUDGET_BYTES
+    """``fn(*args)`` run eagerly (a layer whose graph a worker is compiling), the eager temporaries of the module it
+    is given bounded as in the benchmark's eager mode, then unbounded again: the state a compiled step keeps
+    (``minidi.compile`` sets ``None``) and compiled graphs are traced in."""
+    from minidi.model.model import set_eager_budget
 
     module = args[0] if args and isinstance(args[0], torch.nn.Module) else None
-    held = [m for m in module.modules() if hasattr(m, "eager_budget")] if module is not None else []
-    before = [m.eager_budget for m in held]
-    for m in held:
-        m.eager_budget = EAGER_BUDGET_BYTES
+    if module is None:
+        return fn(*args)
+    set_eager_budget(module)
     try:
         return fn(*args)
     finally:
-        for m, b in zip(held, before):
-            m.eager_budget = b
+        set_eager_budget(module, None)
 
 
 def _serializable(backend: Callable) -> Callable:

@@ -36,6 +36,11 @@ def _describe(kind: Any) -> str:
     return ", ".join([f"{k0}={v0}", *shown])
 
 
+def core_label(kind: Any) -> str:
+    """The precompiled label of a layer kind's core graph (``PrecompiledCalls``, compile workers' results)."""
+    return f"core {_describe(kind)}"
+
+
 def _compiled_layer(block: torch.nn.Module, backend: Callable, front_backend: Callable | None,
                     dynamic: bool | None, compile_kwargs: dict, precompiled: PrecompiledCalls | None = None
                     ) -> Callable:
@@ -79,7 +84,7 @@ def _precompiled_layer(block: torch.nn.Module, backend: Callable, front_backend:
     """``_compiled_layer`` through ``PrecompiledCalls``: the class's ``core`` / ``front`` functions (the block as
     their first argument), ``core`` labelled by the block's kind, so that a kind's layers share one compiled variant,
     and every Engram ``front`` by one label (its guards tell apart Engram layers that differ, e.g. in table rows)."""
-    cls, kind = type(block), _describe(layer_kind(block))
+    cls, label = type(block), core_label(layer_kind(block))
     has_front = getattr(block, "has_front", False)
 
     # Engram fronts share the label "front"; Dynamo guards parameter shapes as constants, so fronts whose tables
@@ -90,7 +95,7 @@ def _precompiled_layer(block: torch.nn.Module, backend: Callable, front_backend:
         if has_front:
             x = calls("front", cls.front, block, x, engram_ids, backend=front_backend or backend,
                       variant=front_variant)
-        return calls(f"core {kind}", cls.core, block, x, pre, meta, cache, shared, backend=backend)
+        return calls(label, cls.core, block, x, pre, meta, cache, shared, backend=backend)
 
     return call
 
@@ -224,7 +229,7 @@ class RegionalStep:
                                              "s": round(r.seconds, 2), "compile_s": round(r.compile_s, 2),
                                              "ok": r.blob is not None} for r in results]}
         order = list(dict.fromkeys(self.kinds))
-        by_label = {f"core {_describe(k)}": k for k in order}
+        by_label = {core_label(k): k for k in order}
         managers = {"front": getattr(self.front_backend, "pass_manager", None),
                     "head": getattr(self.head_backend, "pass_manager", None)}
         mismatches = []
