@@ -49,10 +49,17 @@ VARIANTS = {
     "sm90_split_r216": dict(impl="gluon_split", c_regs=216, p_regs=72),  # sparse_attention_sm90's register split
     "sm90_split_pipe": dict(impl="gluon_split", pipe=True),  # next pair's Q K^T issued before this pair's softmax
     "sm90_split_pipe_r216": dict(impl="gluon_split", pipe=True, c_regs=216, p_regs=72),
+    "sm90_split_hoisted": dict(impl="gluon_split", zq=False),  # round 19's build: Q descriptors hoisted, 28 spills
+    "sm90_stagger": dict(impl="gluon_stagger"),  # staggered consumers, 64-key blocks, 2 stages released by D half,
+    # one CTA per SM looping over the (token, head block) items, the producer copying each item's Q ahead
+    "sm90_stagger_qload": dict(impl="gluon_stagger", qasync=False),  # the consumers load Q at each item's start
+    "sm90_stagger_grid": dict(impl="gluon_stagger", persistent=False, qasync=False),  # ... and one CTA per item
+    "sm90_stagger_bk32": dict(impl="gluon_stagger", bk=32),  # 32-key blocks, 4 stages
 }
 DEFAULT = "tok_w8_bk64_s2"  # the Triton kernel's default config
 GLUON = "sm90_ws"
 SPLIT = "sm90_split"
+STAGGER = "sm90_stagger"
 TOL = dict(rtol=2**-7, atol=1e-3)  # one bf16 ulp at the output's scale (|out| ~ 0.1-0.5 here)
 
 
@@ -99,12 +106,42 @@ def make_inputs(t=4096, h=64, d=512, w=128, k=512, nc=65536, ctx=131072, churn=3
     return q, window_kv, window_idx, comp_kv, comp_idx, sink, d**-0.5
 
 
+def picked_sweep(args, picks: list[int], t: int, h: int, d: int, w: int) -> dict:
+    """Each variant's ms at several counts of picked keys and the least-squares line through them against the
+    number of 128-key pairs: ``per_pair_ms`` (what scales with the keys) and ``fixed_ms`` (what does not: Q in, O out,
+    the pipeline's fill and drain per item)."""
+    out: dict = {}
+    for k in picks:
+        inputs = make_inputs(t, h, d, w, k, churn=args.churn)
+        for name in [v for v in args.variants.split(",") if v]:
+            cfg = VARIANTS[name]
+            try:
+                launch(*inputs, **cfg)
+                torch.cuda.synchronize()
+                out.setdefault(name, {"ms": {}})["ms"][k] = ms = bench_ms(lambda: launch(*inputs, **cfg))
+                common.say(f"picked sweep: {name:<24} keys {w + k:5d} ({(w + k) / 128:.0f} pairs) {ms:.4f} ms")
+            except Exception as e:  # reported, not fatal
+                out.setdefault(name, {"ms": {}})["error"] = f"{type(e).__name__}: {e}"[:200]
+        del inputs
+        torch.cuda.empty_cache()
+    for rec in out.values():
+        if len(rec["ms"]) >= 2:
+            pairs = np.array([(w + k) / 128 for k in rec["ms"]])
+            slope, fixed = np.polyfit(pairs, np.array(list(rec["ms"].values())), 1)
+            rec.update(per_pair_ms=float(slope), fixed_ms=float(fixed))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None)
     ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated names from VARIANTS")
     ap.add_argument("--churn", type=int, default=32, help="compressed picks each query replaces vs its neighbour")
     ap.add_argument("--no-compile", action="store_true", help="skip stock torch.compile of the plain path")
+    ap.add_argument("--no-rotations", action="store_true", help="skip the folded-rotation rows")
+    ap.add_argument("--picked_sweep", default=None, metavar="K1,K2,...",
+                    help="also time each variant at these counts of picked keys (with the 128 window keys) and fit "
+                         "ms = per-pair x (128-key pairs) + fixed: what scales with the keys and what does not")
     args = ap.parse_args()
     torch.manual_seed(0)
     t0 = time.time()
@@ -168,7 +205,7 @@ def main() -> None:
 
     # the default on independent picks: no reuse between neighbouring queries (L2 worst case)
     indep = make_inputs(T, H, D, W, K, churn=K, seed=1)
-    for vname in [v for v in (DEFAULT, GLUON, SPLIT) if v in args.variants.split(",")]:
+    for vname in [v for v in (DEFAULT, GLUON, SPLIT, STAGGER) if v in args.variants.split(",")]:
         try:
             ms = bench_ms(lambda x=indep, c=VARIANTS[vname]: launch(*x, **c))
             rows.append((f"{vname} (independent picks)", ms, True, 0.0, "no neighbour reuse"))
@@ -185,7 +222,8 @@ def main() -> None:
     # compiled as the step compiles them (minidi.compile, no passes, faithful rounding: no FMA contraction)
     rot_q = minidi.compile(lambda x, c, s_: apply_rope(x, c, s_), "none", dynamic=False)
     rot_o = minidi.compile(lambda x, c, s_: apply_rope(x, c, s_, inverse=True), "none", dynamic=False)
-    for vname in [v for v in (DEFAULT, GLUON, SPLIT) if v in args.variants.split(",")]:
+    rot_names = [] if args.no_rotations else (DEFAULT, GLUON, SPLIT, STAGGER)
+    for vname in [v for v in rot_names if v in args.variants.split(",")]:
         cfg = VARIANTS[vname]
         try:
             fused = launch(*inputs, rope_cos=cos, rope_sin=sin, rope_mode=ROPE_Q | ROPE_OUT, **cfg)
@@ -210,6 +248,9 @@ def main() -> None:
                 rotation_kernel_gbps=2 * q_raw.numel() * 2 / ms_r / 1e6)
         except Exception as e:
             rows.append(("rotations", float("nan"), False, float("nan"), f"{type(e).__name__}: {e}"[:200]))
+
+    if args.picked_sweep:
+        result["picked_sweep"] = picked_sweep(args, [int(k) for k in args.picked_sweep.split(",")], T, H, D, W)
 
     common.say(f"\n{'path':<40} {'ms':>8} {'TFLOP/s':>8} {'%peak':>6} {'keyGB/s':>8} {'x eager':>8} {'x comp':>7}  "
                f"{'ok':<5} {'max err':>8}  notes")

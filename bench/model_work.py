@@ -36,7 +36,8 @@ KERNEL_TERMS: dict[str, tuple[str, Callable[[ModelConfig, int], bool], tuple[str
                    ("_fp8_fp4_grouped_mm_sm90", "_fp8_fp4_grouped_mm_kernel", "_fp4_grouped_mm_sm90_rs",
                     "_fp4_grouped_mm_sm90", "_fp4_grouped_mm_kernel")),
     "attn.core": ("attn.core", _every_layer,
-                  ("_sparse_attention_sm90_split", "_sparse_attention_sm90", "_sparse_attention_kernel")),
+                  ("_sparse_attention_sm90_stagger", "_sparse_attention_sm90_split", "_sparse_attention_sm90",
+                   "_sparse_attention_kernel")),
     "indexer.score (every visible key)": ("indexer.score", _scores_every_key, ("_score_fp8_kernel", "_score_kernel")),
     "indexer.score (candidate blocks)": ("indexer.score", _scores_candidates, ("_candidate_score_kernel",)),
 }

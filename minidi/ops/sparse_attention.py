@@ -1,6 +1,7 @@
 """Sparse attention with a per-head sink, reading key rows by index (FlashMLA-style), as one Triton kernel (the
-interpreter-tested path and the fallback) and, on sm_90, warp-specialised Gluon kernels (``sparse_attention_sm90.py``
-and, the default, ``sparse_attention_sm90_split.py``; chosen by ``launch`` where they can run).
+interpreter-tested path and the fallback) and, on sm_90, warp-specialised Gluon kernels (``sparse_attention_sm90.py``,
+``sparse_attention_sm90_split.py`` and, the default, ``sparse_attention_sm90_stagger.py``; chosen by ``launch`` where
+they can run).
 
 Replaces (pass target A, ``minidi.model.sparse_attention.sparse_attention_naive``)::
 
@@ -54,6 +55,7 @@ from ._sparse_attention_rope import (ROPE_OUT, ROPE_Q, _rope_load, _rope_stage, 
                                      rope_ref)
 from . import sparse_attention_sm90 as sm90
 from . import sparse_attention_sm90_split as sm90_split
+from . import sparse_attention_sm90_stagger as sm90_stagger
 from ._triton_utils import cannot_run, interpreting, mma, num_sms, resolve_backend, round_bf16, triton_can_run
 
 Q_DTYPES = (torch.bfloat16, torch.float32)
@@ -239,8 +241,10 @@ def encode_slots(window_idx: torch.Tensor, comp_idx: torch.Tensor | None, nw: in
     return code
 
 
-SM90_KERNELS = {"gluon": sm90.launch_sm90, "gluon_split": sm90_split.launch_sm90_split}  # impl -> launcher
-SM90_DEFAULT = "gluon_split"  # the Gluon kernel the op takes on sm_90 with no impl asked for (1.09x "gluon", round 19)
+SM90_KERNELS = {"gluon": sm90.launch_sm90, "gluon_split": sm90_split.launch_sm90_split,  # impl -> launcher
+                "gluon_stagger": sm90_stagger.launch_sm90_stagger}
+SM90_DEFAULT = "gluon_stagger"  # the Gluon kernel the op takes on sm_90 with no impl asked for (round 24: 1.26x
+# round 19's "gluon_split" on the H100)
 
 
 def launch(q: torch.Tensor, window_kv: torch.Tensor, window_idx: torch.Tensor, comp_kv: torch.Tensor | None,
@@ -251,8 +255,9 @@ def launch(q: torch.Tensor, window_kv: torch.Tensor, window_idx: torch.Tensor, c
 
     ``impl`` in config: "gluon" forces the sm_90 Gluon kernel (``sparse_attention_sm90``; extra keys go to its
     launcher), "gluon_split" its sibling with FlashMLA's split of the work (``sparse_attention_sm90_split``),
-    "triton" the Triton kernel; unset, ``SM90_DEFAULT`` of the two Gluon kernels runs where ``sm90.can_run`` holds
-    and no Triton config was given, else the Triton kernel.
+    "gluon_stagger" the one with FlashMLA's staggered schedule (``sparse_attention_sm90_stagger``), "triton" the Triton kernel; unset,
+    ``SM90_DEFAULT`` of the Gluon kernels runs where ``sm90.can_run`` holds and no Triton config was given, else the
+    Triton kernel.
 
     ``info``, if given, receives the config used and, on the GPU, the compiled kernel (registers, spills, shared
     memory, and the MMA layouts Triton chose, read from its TTGIR).

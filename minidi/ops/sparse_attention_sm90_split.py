@@ -17,6 +17,8 @@ partial score tiles per block. With ``PIPE`` each consumer issues the next pair'
 the tensor cores run it while the softmax and the exchange run (FA3's overlap; at BK 32 the second score tile is 16
 registers). The denominators are summed once at the end (l_0 + l_1, the same fp32 sum in both).
 
+The staggered schedule that replaced this one as the default is ``sparse_attention_sm90_stagger``.
+
 Semantics are the other kernels' rule with a 2 BK-key softmax block: fp32 scores, max over real keys only,
 exp(s - running max) rounded to bf16 before PV, fp32 accumulation and denominator, the sink in the denominator only,
 0 for a row with no valid key, out-of-range slots empty; both rotations as ``sparse_attention_sm90``.
@@ -45,6 +47,7 @@ PW, MAXNREG = ws.PW, ws.MAXNREG
 C_REGS = 224  # consumer registers per thread (216 as in sparse_attention_sm90: 1.044 ms, 38 spills; 224: 1.007, 28)
 P_REGS = 56  # producer registers: 12 warps at MAXNREG 168 leave (168 * 384 - 224 * 128 - 56 * 128) / 128 = 224 for
 # the default partition (consumer 0)
+ZQ = True  # index Q by an opaque 0 in the loop: its 32 wgmma descriptors are not hoisted (28 spills without)
 
 
 if ws.HAVE_GLUON:
@@ -79,14 +82,16 @@ if ws.HAVE_GLUON:
         return acc, m_new, l_new
 
     @gluon.jit
-    def _scores(q_smem, k_smem, k_ready, s_zero, i, NS: gl.constexpr):
-        """Issue S = Q K^T of block i (stage i % NS) over both D halves, once the stage has landed."""
+    def _scores(q_smem, k_smem, k_ready, s_zero, i, NS: gl.constexpr, ZQ: gl.constexpr):
+        """Issue S = Q K^T of block i (stage i % NS) over both D halves, once the stage has landed. ``ZQ``: index Q
+        by i >> 30 (0) so that its descriptors are not hoisted out of the loop (see ``_qk``)."""
         s = i % NS
+        z = i >> 30 if ZQ else 0
         mbarrier.wait(k_ready.index(s), (i // NS) & 1)
         fence_async_shared()  # cp.async wrote the stage (generic proxy); the wgmma reads it (async proxy)
-        sp = warpgroup_mma(q_smem.index(0), k_smem.index(2 * s).permute((1, 0)), s_zero, use_acc=False,
+        sp = warpgroup_mma(q_smem.index(z), k_smem.index(2 * s).permute((1, 0)), s_zero, use_acc=False,
                            is_async=True)
-        return warpgroup_mma(q_smem.index(1), k_smem.index(2 * s + 1).permute((1, 0)), sp, is_async=True)
+        return warpgroup_mma(q_smem.index(1 + z), k_smem.index(2 * s + 1).permute((1, 0)), sp, is_async=True)
 
     @gluon.jit
     def _release(k_empty, s, so):
@@ -98,7 +103,8 @@ if ws.HAVE_GLUON:
     def _consumer(q_ptr, out_ptr, code_ptr, sink_ptr, cos_ptr, sin_ptr, q_smem, k_smem, p_smem, m_mine, m_other,
                   k_ready, k_empty, q_ready, m_ready, p_ready, t, hb, H, n_keys, n_pairs, scale,
                   HID: gl.constexpr, D: gl.constexpr, BK: gl.constexpr, NS: gl.constexpr,
-                  ROPE_Q: gl.constexpr, ROPE_OUT: gl.constexpr, R2: gl.constexpr, PIPE: gl.constexpr):
+                  ROPE_Q: gl.constexpr, ROPE_OUT: gl.constexpr, R2: gl.constexpr, PIPE: gl.constexpr,
+                  ZQ: gl.constexpr):
         HALF: gl.constexpr = D // 2
         M: gl.constexpr = 64
         s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BK, 16])
@@ -120,13 +126,13 @@ if ws.HAVE_GLUON:
         acc = gl.zeros([M, HALF], gl.float32, o_l)
         s_zero = gl.zeros([M, BK], gl.float32, s_l)
         if PIPE:
-            sp = warpgroup_mma_wait(0, deps=(_scores(q_smem, k_smem, k_ready, s_zero, HID, NS),))
+            sp = warpgroup_mma_wait(0, deps=(_scores(q_smem, k_smem, k_ready, s_zero, HID, NS, ZQ),))
             for j in range(n_pairs - 1):
                 i = 2 * j + HID
                 s = i % NS
                 so = (2 * j + 1 - HID) % NS
                 code = gl.load(code_row + i * BK + cols_k, mask=i * BK + cols_k < n_keys, other=-1)
-                tok_s = _scores(q_smem, k_smem, k_ready, s_zero, i + 2, NS)  # the next pair's, on the tensor cores
+                tok_s = _scores(q_smem, k_smem, k_ready, s_zero, i + 2, NS, ZQ)  # the next pair's, on the tensor cores
                 tok_o, m_i, l_i = _pair(sp, code, j, m_i, l_i, acc, scale, k_smem, p_smem, m_mine, m_other, m_ready,
                                         p_ready, s, so, HID, p_l)
                 sp, acc = warpgroup_mma_wait(0, deps=(tok_s, tok_o))
@@ -146,7 +152,7 @@ if ws.HAVE_GLUON:
                 s = i % NS
                 so = (2 * j + 1 - HID) % NS
                 code = gl.load(code_row + i * BK + cols_k, mask=i * BK + cols_k < n_keys, other=-1)
-                sp = warpgroup_mma_wait(0, deps=(_scores(q_smem, k_smem, k_ready, s_zero, i, NS),))
+                sp = warpgroup_mma_wait(0, deps=(_scores(q_smem, k_smem, k_ready, s_zero, i, NS, ZQ),))
                 tok_o, m_i, l_i = _pair(sp, code, j, m_i, l_i, acc, scale, k_smem, p_smem, m_mine, m_other, m_ready,
                                         p_ready, s, so, HID, p_l)
                 acc = warpgroup_mma_wait(0, deps=(tok_o,))
@@ -165,7 +171,7 @@ if ws.HAVE_GLUON:
                                      n_keys, scale, D: gl.constexpr, BK: gl.constexpr, NS: gl.constexpr,
                                      PW: gl.constexpr, P_REGS: gl.constexpr, C_REGS: gl.constexpr,
                                      ROPE_Q: gl.constexpr, ROPE_OUT: gl.constexpr, R2: gl.constexpr,
-                                     PIPE: gl.constexpr):
+                                     PIPE: gl.constexpr, ZQ: gl.constexpr = False):
         HALF: gl.constexpr = D // 2
         M: gl.constexpr = 64
         pid = gl.program_id(0)
@@ -197,10 +203,10 @@ if ws.HAVE_GLUON:
         gl.warp_specialize([
             (_consumer, (q_ptr, out_ptr, code_ptr, sink_ptr, cos_ptr, sin_ptr, q_smem, k_smem, p_smem, m0_smem,
                          m1_smem, k_ready, k_empty, q_ready, m_ready, p_ready, t, hb, H, n_keys, n_pairs, scale,
-                         0, D, BK, NS, ROPE_Q, ROPE_OUT, R2, PIPE)),
+                         0, D, BK, NS, ROPE_Q, ROPE_OUT, R2, PIPE, ZQ)),
             (_consumer, (q_ptr, out_ptr, code_ptr, sink_ptr, cos_ptr, sin_ptr, q_smem, k_smem, p_smem, m1_smem,
                          m0_smem, k_ready, k_empty, q_ready, m_ready, p_ready, t, hb, H, n_keys, n_pairs, scale,
-                         1, D, BK, NS, ROPE_Q, ROPE_OUT, R2, PIPE)),
+                         1, D, BK, NS, ROPE_Q, ROPE_OUT, R2, PIPE, ZQ)),
             (_producer, (kv_ptr, code_ptr, k_smem, k_ready, k_empty, comp_off, n_keys, 2 * n_pairs, t,
                          D, BK, NS, PW)),
         ], [4, PW], [C_REGS, P_REGS])
@@ -209,10 +215,10 @@ if ws.HAVE_GLUON:
 def launch_sm90_split(q: torch.Tensor, window_kv: torch.Tensor, code: torch.Tensor, sink: torch.Tensor,
                       out: torch.Tensor, comp_off: int, scale: float, rope_cos: torch.Tensor | None = None,
                       rope_sin: torch.Tensor | None = None, rope_mode: int = 0, info: dict | None = None,
-                      pipe: bool = PIPE, c_regs: int = C_REGS, p_regs: int = P_REGS) -> None:
+                      pipe: bool = PIPE, c_regs: int = C_REGS, p_regs: int = P_REGS, zq: bool = ZQ) -> None:
     """``sparse_attention_sm90.launch_sm90``'s contract (checked contiguous tensors, ``can_run`` true, W+K >= 1;
-    writes every element of out), this kernel's split of the work. ``pipe`` / ``c_regs`` / ``p_regs``: the bench's
-    variants (the overlap, the worker partitions' registers)."""
+    writes every element of out), this kernel's split of the work. ``pipe`` / ``c_regs`` / ``p_regs`` / ``zq``: the
+    bench's variants (the overlap, the worker partitions' registers, Q descriptors kept in the loop)."""
     t, h, d = q.shape
     if t == 0:
         return
@@ -220,8 +226,8 @@ def launch_sm90_split(q: torch.Tensor, window_kv: torch.Tensor, code: torch.Tens
     kernel = _sparse_attention_sm90_split[(t * (h // ws.HEADS),)](
         q, window_kv, code, sink, out, rope_cos, rope_sin, comp_off, h, code.shape[1], float(scale),
         D=d, BK=BK, NS=NS, PW=PW, P_REGS=p_regs, C_REGS=c_regs, ROPE_Q=bool(rope_mode & 1),
-        ROPE_OUT=bool(rope_mode & 2), R2=r2, PIPE=pipe, num_warps=4, maxnreg=MAXNREG)
+        ROPE_OUT=bool(rope_mode & 2), R2=r2, PIPE=pipe, ZQ=zq, num_warps=4, maxnreg=MAXNREG)
     if info is not None:
         info.update(impl="gluon_sm90_split", grid=t * (h // ws.HEADS), BK=BK, NS=NS, PW=PW, pipe=pipe, c_regs=c_regs,
-                    p_regs=p_regs)
+                    p_regs=p_regs, zq=zq)
         ws.kernel_info(kernel, info)

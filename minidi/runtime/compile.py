@@ -44,7 +44,8 @@ from minidi.model.config import ModelConfig
 from minidi.passes import PassManager
 
 from .compile_cache import CompileCache, clear_recorded_artifacts, device_of, key_fields, triton_dir
-from .compile_settings import Progress, cache_note, call_settings, dynamic_shape_config, inductor_cache_counts
+from .compile_settings import (Progress, cache_note, call_settings, dynamic_shape_config, inductor_cache_counts,
+                               mark_leading_dims_only)
 from .compile_workers import CompileWorkers, WorkerSettings
 from .first_step import FirstStep
 from .pass_backend import make_backend
@@ -132,6 +133,8 @@ class CompiledStep:
             self._progress(f"minidi.compile: compiling {self._what} as one graph ...")
             self.first_step.start()
         self.calls += 1
+        if self.calls == 1 and self.dynamic is not False:
+            mark_leading_dims_only((args, kwargs))  # where the step traces (later calls skip the walk)
         try:
             with call_settings(self.dynamic, None):
                 out = self._compiled(*args, **kwargs)

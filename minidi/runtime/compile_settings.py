@@ -3,7 +3,8 @@
 - **Shape settings** (``dynamic_shape_config``, ``call_settings``): one graph for every batch shape, applied around
   every call of a compiled step (Dynamo reads them when it traces, which is on a call that misses its cache),
   together with raised recompile limits for per-layer compilation. Nothing is set globally: after a call
-  ``torch._dynamo.config`` is what it was.
+  ``torch._dynamo.config`` is what it was. ``mark_leading_dims_only``: the dims that vary between steps are the
+  leading dims of the step's tensors; the others are traced as the constants they are.
 - **Rounding** (``rounding_config``): Inductor rounds fused intermediates where eager rounds (``faithful_rounding``);
   CPU graphs (or any with ``"exact"``) run ATen's reduction and transcendental kernels (``exact_cpu.py``).
 - **Code generation** (``codegen_config``): no benchmarking of kernel configs at a graph's first run unless asked
@@ -15,6 +16,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from collections import Counter
 from typing import Any, Callable
@@ -46,6 +48,35 @@ def dynamic_shape_config() -> contextlib.ExitStack:
     stack.enter_context(fx_config.patch(backed_size_oblivious=True, use_duck_shape=False))
     stack.enter_context(dynamo_config.patch(specialize_float=True))
     return stack
+
+
+def mark_leading_dims_only(tree: Any) -> None:
+    """Mark every dim but the first of each tensor in ``tree`` (tensors, dataclasses such as ``StepMeta`` /
+    ``LayerCache`` / ``SharedSlots``, dicts, lists, tuples) static for Dynamo (``torch._dynamo.mark_static``), before
+    a call that may trace with ``dynamic=True``.
+
+    What differs between two steps of a model is counts: tokens, sequences, new compressed entries, pending rows,
+    view rows, pool rows; each is the leading dim of the tensors it sizes. A tensor's other dims are the model's
+    constants (streams, hidden and head dims, heads, window, ratio, n-gram order, top-k), so tracing them as symbols
+    only costs: every one is a sympy symbol whose guards and index arithmetic Dynamo, AOT and Inductor carry through
+    the graph until a parameter's shape pins it. Marked static they are constants from the start (tiny V4.1's
+    per-layer compile on a 2-core CPU: docs/benchmarks/README.md, round 24). A dim marked static that does change
+    later fails its guard and that call recompiles (a graph with it symbolic: the marks are set only where the
+    caller chooses, ``regional.py`` / ``compile.py`` on the first step, ``precompiled.py`` on each compile)."""
+    if isinstance(tree, torch.Tensor):
+        if tree.dim() > 1:
+            indices = getattr(tree, "_dynamo_static_indices", None)
+            if indices is None or not indices.issuperset(range(1, tree.dim())):
+                torch._dynamo.mark_static(tree, list(range(1, tree.dim())))
+    elif dataclasses.is_dataclass(tree) and not isinstance(tree, type):
+        for f in dataclasses.fields(tree):
+            mark_leading_dims_only(getattr(tree, f.name))
+    elif isinstance(tree, dict):
+        for v in tree.values():
+            mark_leading_dims_only(v)
+    elif isinstance(tree, (list, tuple)):
+        for v in tree:
+            mark_leading_dims_only(v)
 
 
 def call_settings(dynamic: bool | None, recompile_limit: int | None) -> contextlib.ExitStack:

@@ -34,6 +34,8 @@ from typing import Any, Callable
 
 import torch
 
+from .compile_settings import mark_leading_dims_only
+
 log = logging.getLogger("minidi.compile")
 
 FORMAT = 1  # layout of ``dumps``: {"format": FORMAT, "fns": {label: [bytes, ...]}}
@@ -85,7 +87,10 @@ class PrecompiledCalls:
         return self.compile(label, fn, *args, backend=backend).fn(*args)
 
     def compile(self, label: str, fn: Callable, *args: Any, backend: Callable) -> Any:
-        """Compile a variant of ``label`` for ``fn(*args)`` ahead of time (nothing runs) and keep it."""
+        """Compile a variant of ``label`` for ``fn(*args)`` ahead of time (nothing runs) and keep it; with
+        ``dynamic``, only the leading dims of ``args``' tensors are symbolic (``mark_leading_dims_only``)."""
+        if self.dynamic is not False:
+            mark_leading_dims_only(args)
         with torch._dynamo.config.patch(enable_aot_compile=True):  # torch 2.11 attaches .aot_compile only then
             wrapper = torch.compile(fn, backend=_serializable(backend), fullgraph=True, dynamic=self.dynamic,
                                     options={"guard_filter_fn": self._guard_filter(label)})

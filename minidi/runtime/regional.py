@@ -16,7 +16,7 @@ import torch
 
 from minidi.passes import PassManager
 
-from .compile_settings import Progress, cache_note, call_settings, inductor_cache_counts
+from .compile_settings import Progress, cache_note, call_settings, inductor_cache_counts, mark_leading_dims_only
 from .compile_workers import role_of
 from .first_step import FirstStep
 from .precompiled import PrecompiledCalls
@@ -42,14 +42,15 @@ def core_label(kind: Any) -> str:
 
 
 def _compiled_layer(block: torch.nn.Module, backend: Callable, front_backend: Callable | None,
-                    dynamic: bool | None, compile_kwargs: dict, precompiled: PrecompiledCalls | None = None
-                    ) -> Callable:
+                    dynamic: bool | None, compile_kwargs: dict, precompiled: PrecompiledCalls | None = None,
+                    before_call: Callable[[tuple], None] = lambda args: None) -> Callable:
     """The block's call (``Block.forward``'s composition: ``core`` after ``front``) with each part compiled: ``core``
     by the pass backend (one graph per ``kind()``, shared by the kind's layers through Dynamo's cache of its code),
     an Engram ``front`` by ``front_backend`` (its own graph, shared by the Engram layers; no pass sites in it). Set
     as the block's ``_compiled_call_impl``, the slot ``nn.Module.compile`` uses, so that the block's eager call
     (``_call_impl``) stays the model's own. With ``precompiled`` (a compile cache), both parts are compiled ahead of
-    time per kind instead (``precompiled.py``: saved with the cache entry, called without Dynamo on a warm start)."""
+    time per kind instead (``precompiled.py``: saved with the cache entry, called without Dynamo on a warm start).
+    ``before_call(args)`` runs before each lazily compiled call (the step's shape marks on its first step)."""
     if precompiled is not None:
         return _precompiled_layer(block, backend, front_backend, precompiled)
     core = torch.compile(block.core, backend=backend, dynamic=dynamic, **compile_kwargs)
@@ -58,6 +59,7 @@ def _compiled_layer(block: torch.nn.Module, backend: Callable, front_backend: Ca
         front = torch.compile(block.front, backend=front_backend or backend, dynamic=dynamic, **compile_kwargs)
 
     def call(x, pre, meta, cache, shared, engram_ids=None):
+        before_call((x, pre, meta, cache, shared, engram_ids))
         if front is not None:
             x = front(x, engram_ids)
         return core(x, pre, meta, cache, shared)
@@ -66,11 +68,18 @@ def _compiled_layer(block: torch.nn.Module, backend: Callable, front_backend: Ca
 
 
 def _compiled_head(head: torch.nn.Module, backend: Callable, dynamic: bool | None, compile_kwargs: dict,
-                   precompiled: PrecompiledCalls | None = None) -> Callable:
+                   precompiled: PrecompiledCalls | None = None,
+                   before_call: Callable[[tuple], None] = lambda args: None) -> Callable:
     """The output head's call (``OutputHead.forward``) compiled by ``backend`` (its own graph: pass O's one site),
     through ``PrecompiledCalls`` (label "head") with a compile cache."""
     if precompiled is None:
-        return torch.compile(head.forward, backend=backend, dynamic=dynamic, **compile_kwargs)
+        compiled = torch.compile(head.forward, backend=backend, dynamic=dynamic, **compile_kwargs)
+
+        def lazy(y):
+            before_call((y,))
+            return compiled(y)
+
+        return lazy
     forward = type(head).forward
 
     def call(y):
@@ -137,13 +146,20 @@ class RegionalStep:
         for block in model.layers:
             if callable(getattr(block, "core", None)):  # a minidi Block: its core and front compiled apart
                 block._compiled_call_impl = _compiled_layer(block, backend, front_backend, dynamic, compile_kwargs,
-                                                            precompiled)
+                                                            precompiled, self._mark_shapes)
             else:
                 block.compile(backend=backend, dynamic=dynamic, **compile_kwargs)
         head = getattr(model, "head", None)
         if head_backend is not None and isinstance(head, torch.nn.Module):
-            head._compiled_call_impl = _compiled_head(head, head_backend, dynamic, compile_kwargs, precompiled)
+            head._compiled_call_impl = _compiled_head(head, head_backend, dynamic, compile_kwargs, precompiled,
+                                                      self._mark_shapes)
         model.layer_hook = self._before_layer
+
+    def _mark_shapes(self, args: tuple) -> None:
+        """The shape policy (``mark_leading_dims_only``) on a layer's arguments during the first step, where each
+        kind traces (later calls skip the walk: it would cost the host ~40 us a layer for nothing)."""
+        if self.calls <= 1 and self.dynamic is not False:
+            mark_leading_dims_only(args)
 
     def _restore_counts(self) -> None:
         """A warm start from precompiled graphs runs no passes: the counts are those the entry recorded, per layer

@@ -30,17 +30,24 @@ def _runs() -> bool:
 
 
 needs_sm90 = pytest.mark.skipif(not _runs(), reason="needs an sm_90 GPU and Triton 3.6 with Gluon")
-each_kernel = pytest.mark.parametrize("impl", list(SM90_KERNELS))  # both Gluon kernels: the same contract
+# every Gluon kernel and the launcher options the bench compares: the same contract
+KERNELS = {impl: (impl, {}) for impl in SM90_KERNELS} | {
+    "gluon_split_hoisted": ("gluon_split", dict(zq=False)),
+    "gluon_stagger_qload": ("gluon_stagger", dict(qasync=False)),
+    "gluon_stagger_grid": ("gluon_stagger", dict(persistent=False)),
+    "gluon_stagger_bk32": ("gluon_stagger", dict(bk=32))}
+each_kernel = pytest.mark.parametrize("impl", list(KERNELS))
 
 
 def _gluon(impl, q, wkv, widx, ckv, cidx, sink, scale, cos=None, sin=None, mode=0) -> torch.Tensor:
-    """The Gluon kernel ``impl`` (a key of ``SM90_KERNELS``) alone, into a NaN-poisoned output (every element must
-    be written)."""
+    """The Gluon kernel ``impl`` (a key of ``KERNELS``) alone, into a NaN-poisoned output (every element must be
+    written)."""
     comp_off = (ckv.data_ptr() - wkv.data_ptr()) // 2 if ckv is not None else 0
     assert sm90.can_run(q, wkv, comp_off, cos.shape[-1] if mode else 0)
     code = encode_slots(widx, cidx, wkv.shape[0], ckv.shape[0] if ckv is not None else 0)
     out = torch.full_like(q, float("nan"))
-    SM90_KERNELS[impl](q, wkv, code, sink, out, comp_off, scale, cos, sin, mode)
+    name, options = KERNELS[impl]
+    SM90_KERNELS[name](q, wkv, code, sink, out, comp_off, scale, cos, sin, mode, **options)
     torch.cuda.synchronize()
     assert not out.isnan().any(), "unwritten (poisoned) outputs"
     return out
@@ -59,10 +66,11 @@ def test_cpu_never_picks_the_sm90_kernel():
 @needs_sm90
 @each_kernel
 @pytest.mark.parametrize("t,h,w,k,comp", [(512, 64, 128, 512, True), (37, 128, 17, 45, True), (65, 64, 128, 0, False),
-                                          (9, 64, 5, 3, True)])
+                                          (9, 64, 5, 3, True), (300, 128, 17, 45, True)])
 def test_gpu_matches_reference(impl, t, h, w, k, comp):
     """Ragged T, 64 / 128 heads, -1 slots anywhere (25 %), a query with no compressed key, fewer keys than a block
-    (W+K 62 and 8), window-only layers; fresh random inputs per case."""
+    (W+K 62 and 8), window-only layers, more (token, head block) items than SMs (persistent grids loop over them);
+    fresh random inputs per case."""
     args = _case(t, h, 512, w, max(k, 1), nw=t + w + 3, nc=4096, dtype=torch.bfloat16, seed=t + h, device="cuda",
                  comp=comp)
     out = _gluon(impl, *args, 512**-0.5)
@@ -72,7 +80,8 @@ def test_gpu_matches_reference(impl, t, h, w, k, comp):
     assert torch.equal(again, out)  # no race: a second launch gives the same bits
     info: dict = {}
     auto = launch(*args, 512**-0.5, info=info)  # the op's default dispatch picks the default Gluon kernel here
-    assert info.get("impl") == {"gluon": "gluon_sm90", "gluon_split": "gluon_sm90_split"}[SM90_DEFAULT]
+    assert info.get("impl") == {"gluon": "gluon_sm90", "gluon_split": "gluon_sm90_split",
+                                "gluon_stagger": "gluon_sm90_stagger"}[SM90_DEFAULT]
     if impl == SM90_DEFAULT:
         assert torch.equal(auto, out)
 
@@ -136,42 +145,51 @@ def test_gpu_rotations_equal_the_model_chain(impl, mode):
 
 
 # ---- compiles for sm_90a on the CPU (Triton's compiler and ptxas need no GPU) -----------------------------------
-def _compile_report(impl: str, pipe: bool) -> dict:
+def _compile_report(impl: str, pipe: bool, opt: int = 0) -> dict:
     """Compile one Gluon kernel for sm_90a, both rotations on, as the launchers specialise it (16-byte aligned pointers
-    and comp_off): its wgmma instruction counts by shape, setmaxnreg, shared memory."""
+    and comp_off): its wgmma instruction counts by shape, setmaxnreg, shared memory, local-memory (spill) accesses in
+    its SASS. ``opt``: "gluon_split" ZQ; "gluon_stagger" the keys per block."""
     from minidi.ops import sparse_attention_sm90_split as split
+    from minidi.ops import sparse_attention_sm90_stagger as stagger
 
-    from .gluon_compile import compile_sm90
+    from .gluon_compile import compile_sm90, sass
 
     ptrs = dict(q_ptr=torch.bfloat16, kv_ptr=torch.bfloat16, code_ptr=torch.int32, sink_ptr=torch.float32,
                 out_ptr=torch.bfloat16, cos_ptr=torch.float32, sin_ptr=torch.float32)
-    consts = dict(D=512, PW=sm90.PW, ROPE_Q=True, ROPE_OUT=True, R2=32, PIPE=pipe)
+    consts = dict(D=512, PW=sm90.PW, ROPE_Q=True, ROPE_OUT=True, R2=32)
     if impl == "gluon":
-        fn, consts = sm90._sparse_attention_sm90, consts | dict(BK=sm90.BK, NS=sm90.NS, XPAD=sm90.XPAD,
+        fn, consts = sm90._sparse_attention_sm90, consts | dict(BK=sm90.BK, NS=sm90.NS, XPAD=sm90.XPAD, PIPE=pipe,
                                                                P_REGS=sm90.P_REGS, C_REGS=sm90.C_REGS)
-    else:
+    elif impl == "gluon_split":
         fn, consts = split._sparse_attention_sm90_split, consts | dict(
-            BK=split.BK, NS=split.NS, P_REGS=split.P_REGS, C_REGS=split.C_REGS)
+            BK=split.BK, NS=split.NS, P_REGS=split.P_REGS, C_REGS=split.C_REGS, PIPE=pipe, ZQ=bool(opt))
+    else:
+        fn, consts = stagger._sparse_attention_sm90_stagger, consts | dict(
+            BK=opt, NS=stagger.STAGES[opt], P_REGS=stagger.P_REGS, C_REGS=stagger.C_REGS, QASYNC=stagger.QASYNC)
     kern = compile_sm90(fn, {}, ptrs, consts, aligned=(*ptrs, "comp_off"), num_warps=4, maxnreg=sm90.MAXNREG)
     ptx = kern.asm["ptx"]
     shapes = re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)\.f32\.bf16\.bf16", ptx)
+    local = len(re.findall(r"\s(?:LDL|STL)[\s.]", sass(kern)))
     return dict(wgmma={sh: shapes.count(sh) for sh in set(shapes)}, setmaxnreg="setmaxnreg" in ptx,
-                shared=kern.metadata.shared)
+                shared=kern.metadata.shared, local=local)
 
 
 @pytest.mark.skipif(not sm90.gluon_supported(), reason="Gluon API of a tested Triton version (3.6) not installed")
-@pytest.mark.parametrize("impl,pipe", [("gluon", False), ("gluon_split", False), ("gluon_split", True)])
-def test_kernels_compile_for_sm90a(impl, pipe):
-    """Both Gluon kernels compile, with the wgmma shapes of each design (one instruction per MMA of a key block) and
-    shared memory within the H200's 227 KB. Compiled in a fresh process: a Triton kernel run by the interpreter in
-    this process (other tests) patches the language and the Gluon front end then fails."""
+@pytest.mark.parametrize("impl,pipe,opt", [("gluon", False, 0), ("gluon_split", False, 0), ("gluon_split", True, 0),
+                                           ("gluon_split", False, 1), ("gluon_stagger", False, 64),
+                                           ("gluon_stagger", False, 32)])
+def test_kernels_compile_for_sm90a(impl, pipe, opt):
+    """The Gluon kernels compile, with the wgmma shapes of each design (one instruction per MMA of a key block) and
+    shared memory within the H200's 227 KB; the staggered kernel and the split one with ZQ (almost) without spills.
+    Compiled in a fresh process: a Triton kernel run by the interpreter in this process (other tests) patches the
+    language and the Gluon front end then fails."""
     import json
     import subprocess
     import sys
 
     pytest.importorskip("triton.backends.nvidia.compiler")
     code = ("import json; from tests.ops.test_sparse_attention_sm90 import _compile_report; "
-            f"print(json.dumps(_compile_report({impl!r}, {pipe})))")
+            f"print(json.dumps(_compile_report({impl!r}, {pipe}, {opt})))")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -179,11 +197,19 @@ def test_kernels_compile_for_sm90a(impl, pipe):
     rep = json.loads(run.stdout.strip().splitlines()[-1])
     if impl == "gluon":  # per consumer: S over its D half (16 x k16), P V over 64 keys (4 x k16)
         want = {"m64n64k16": 2 * 16, "m64n256k16": 2 * 4}
-    else:  # per consumer and pair: S over all of D (32 x k16), P V for both blocks (2 x 2 x k16); PIPE: loop + tail
+    elif impl == "gluon_split":  # per consumer and pair: S over all of D (32 x k16), P V for both blocks (2 x 2 x
+        # k16); PIPE: loop + tail
         want = {"m64n32k16": 2 * 32 * (2 if pipe else 1), "m64n256k16": 2 * 4 * (2 if pipe else 1)}
+    else:  # S over all of D (32 x k16): consumer 0 before and in its loop, consumer 1 in its loop; P V of both blocks
+        # (2 x BK / 16 x k16): consumer 0 in its loop and its last pair, consumer 1 in its loop
+        want = {f"m64n{opt}k16": 3 * 32, "m64n256k16": 3 * 2 * opt // 16}
     assert rep["wgmma"] == want
     assert rep["setmaxnreg"]
     assert rep["shared"] <= 232448  # the H200's shared memory per block
+    if impl == "gluon_split" and opt:
+        assert rep["local"] == 0  # no spills: the wgmma descriptors are not hoisted out of the loop
+    elif impl == "gluon_stagger":  # none in the key loops (the descriptors stay in them); a few per work item
+        assert rep["local"] <= 16
 
 
 def test_launchers_rotation_arguments_and_empty_slot_lists():
