@@ -54,7 +54,8 @@ LAUNCH_CATS = ("cuda_runtime", "cuda_driver")
 RANGE_CAT = "user_annotation"
 
 # minidi's ops -> the stage whose work they are, wherever the compiler placed their call (ops used by two stages, such
-# as gate_tf32x3 for the MoE gate and the mHC mixers, are left to the markers)
+# as gate_tf32x3 for the MoE gate and the mHC mixers, fp8_linear and pass R's fq8 for attention, indexer and shared
+# expert, are left to the markers)
 OP_STAGE = {
     "minidi::sparse_attention": "attn.core",
     **{f"minidi::{op}": "indexer" for op in ("indexer_score", "indexer_score_fp8", "indexer_topk_candidates",

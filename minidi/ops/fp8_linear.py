@@ -10,11 +10,8 @@ partitioned and lowered again for each layer kind at start-up (issue 20). As one
 op is also where the FP8 tensor-core GEMM goes (issue 21) once one beats the bf16 GEMM at these shapes.
 
 Kernels (Triton; the interpreter runs them on CPU tensors), both memory-bound:
-- ``_fq8_kernel``: one program per ``BLOCKS`` blocks of ``act_block`` consecutive elements of the row-major input;
-  amax per block, the scale from its bits (``pow2_ceil``), the quotient by 1 / scale (a power of two: exact), the
-  e4m3 rounding in fp32 (``round_e4m3``: exact, ties to even), times the scale, one rounding to x's dtype (exact:
-  an e4m3 value times a power of two fits bf16). So the output is ``fq8(x)`` bit for bit on finite blocks; a block
-  holding a NaN or an infinity comes out all NaN (eager fq8 gives NaN or a signed zero per element there).
+- ``_fq8_kernel`` (``minidi/ops/fq8.py``, shared with the ``fq8`` op that pass R inserts): fq8 of the input along K,
+  ``quant.fq8`` bit for bit on finite blocks (a block holding a NaN or an infinity comes out all NaN).
 - ``_dequant_kernel``: one program per [BN, BK] tile of the weight; each e4m3 byte decoded from its bits
   (``e4m3_byte_to_fp32``), times its tile's E8M0 scale (``e8m0_to_fp32``: code 0 -> 2^-127, 255 -> NaN), one
   rounding to x's dtype: ``dequant_fp8`` bit for bit.
@@ -42,30 +39,24 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from minidi.formats import E4M3_MAX, FQ8_AMAX_FLOOR, dequant_fp8, fq8_split
+from minidi.formats import dequant_fp8
 
-from ._triton_formats import e4m3_byte_to_fp32, e8m0_to_fp32, pow2_ceil, round_e4m3
+from ._triton_formats import e4m3_byte_to_fp32, e8m0_to_fp32
 from ._triton_utils import cannot_run, resolve_backend, triton_can_run
 from ._weight_cache import cached_bytes, cached_per_tensor
+from .fq8 import BLOCKS as FQ8_BLOCKS
+from .fq8 import fq8_launch, fq8_ref
 
 X_DTYPES = (torch.bfloat16, torch.float32)  # the model's dtypes
-ACT_BLOCKS = (0, 32, 128)  # 0: the input is not fake-quantised (a model without fake quant)
+ACT_BLOCKS = (0, *FQ8_BLOCKS)  # 0: the input is not fake-quantised (no fake quant, or pass R's shared fq8)
 WEIGHT_BLOCKS = (32, 128)
 SCALE_DTYPES = (torch.uint8, torch.float8_e8m0fnu)
 WEIGHT_CACHE_ENV = "MINIDI_FP8_WEIGHT_CACHE_GB"
 WEIGHT_CACHE_DEFAULT_GB = {"cuda": 32.0}  # by device type; other devices: 0 (off)
 _WEIGHT_CACHE = "fp8_linear dequantised weights"
-_E4M3_MAX = tl.constexpr(E4M3_MAX)
-_AMAX_FLOOR = tl.constexpr(FQ8_AMAX_FLOOR)
 
 
 # ---- reference -----------------------------------------------------------------------------------------------------
-def fq8_ref(x: torch.Tensor, block: int) -> torch.Tensor:
-    """The model's ``quant.fq8(x, block)``: q * s of ``minidi.formats.fq8_split``, in x's dtype."""
-    q, s = fq8_split(x, block)
-    return (q.float().unflatten(-1, (-1, block)) * s.unsqueeze(-1)).flatten(-2).to(x.dtype)
-
-
 def fp8_linear_ref(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, weight_block: int,
                    act_block: int) -> torch.Tensor:
     """Plain torch: ``F.linear(fq8(x), dequant_fp8(weight, scale))`` (act_block 0: no fq8)."""
@@ -74,22 +65,6 @@ def fp8_linear_ref(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, w
 
 
 # ---- kernels -------------------------------------------------------------------------------------------------------
-@triton.jit
-def _fq8_kernel(x_ptr, y_ptr, n_blocks, BLOCK: tl.constexpr, BLOCKS: tl.constexpr):
-    b = tl.program_id(0).to(tl.int64) * BLOCKS + tl.arange(0, BLOCKS)  # [BLOCKS] block ids
-    ok = b < n_blocks
-    offs = b[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
-    x = tl.load(x_ptr + offs, mask=ok[:, None], other=0.0).to(tl.float32)  # [BLOCKS, BLOCK]
-    a = tl.abs(x)
-    bad = tl.max(((a != a) | (a == float("inf"))).to(tl.int32), 1) > 0  # a NaN or an infinity: poisoned block
-    amax = tl.maximum(tl.max(tl.where(a == a, a, 0.0), 1), _AMAX_FLOOR)
-    s = pow2_ceil(tl.div_rn(amax, _E4M3_MAX))  # [BLOCKS]
-    inv = ((254 - ((s.to(tl.int32, bitcast=True) >> 23) & 0xFF)) << 23).to(tl.float32, bitcast=True)  # 1 / s
-    q = round_e4m3(tl.minimum(tl.maximum(x * inv[:, None], -_E4M3_MAX), _E4M3_MAX))
-    y = tl.where(bad[:, None], float("nan"), q * s[:, None])
-    tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=ok[:, None])
-
-
 @triton.jit
 def _dequant_kernel(w_ptr, s_ptr, out_ptr, N, K, stride_s, TILE: tl.constexpr, BN: tl.constexpr,
                     BK: tl.constexpr):
@@ -100,16 +75,6 @@ def _dequant_kernel(w_ptr, s_ptr, out_ptr, N, K, stride_s, TILE: tl.constexpr, B
     w = e4m3_byte_to_fp32(tl.load(w_ptr + offs, mask=m, other=0))
     code = tl.load(s_ptr + (rows // TILE)[:, None] * stride_s + (cols // TILE)[None, :], mask=m, other=127)
     tl.store(out_ptr + offs, (w * e8m0_to_fp32(code)).to(out_ptr.dtype.element_ty), mask=m)
-
-
-def fq8_launch(x: torch.Tensor, block: int) -> torch.Tensor:
-    """fq8 of a contiguous x (last dim a multiple of ``block``) by ``_fq8_kernel``."""
-    y = torch.empty_like(x)
-    n_blocks = x.numel() // block
-    if n_blocks:
-        blocks = 32 if block == 32 else 8
-        _fq8_kernel[(triton.cdiv(n_blocks, blocks),)](x, y, n_blocks, BLOCK=block, BLOCKS=blocks, num_warps=4)
-    return y
 
 
 def dequant_launch(weight: torch.Tensor, scale: torch.Tensor, block: int, dtype: torch.dtype) -> torch.Tensor:

@@ -34,6 +34,9 @@ class Match:
     # (user, old input, new input or None = the replacement's result): inputs of nodes outside the subgraph that
     # must read another value once it is spliced (a profiler stage marker on a tensor the replacement absorbs)
     reroute: list[tuple[Node, Node, Node | None]] = field(default_factory=list)
+    # (node outside the subgraph, position in its args, new literal): arguments that change with the splice (pass R:
+    # a linear that reads the shared fq8 result instead of its input takes act_block 0)
+    set_args: list[tuple[Node, int, Any]] = field(default_factory=list)
     mutation_start: Node | None = None  # where the mutation check starts (default: the subgraph's first node)
 
     def first(self, graph: Graph) -> Node:
@@ -118,6 +121,8 @@ def apply_match(graph: Graph, m: Match) -> bool:
             old.replace_all_uses_with(repl)
         for user, old, repl in m.reroute:
             user.replace_input_with(old, new if repl is None else repl)
+        for user, pos, value in m.set_args:
+            user.update_arg(pos, value)
     erase_dead(graph, m.nodes)
     return True
 

@@ -159,6 +159,27 @@ def mutation_between(graph: Graph, first: Node, last: Node, allowed: Iterable[No
     return None
 
 
+def is_stage_marker(node: Node) -> bool:
+    """A profiler stage marker (``minidi.model.stages``): declared to mutate its tensor so that the compiler keeps it
+    in place, it only reads it."""
+    return node.op == "call_function" and "stage_mark" in str(node.target)
+
+
+def untouched_between(graph: Graph, start: Node, stop: Node, tensors: set[Node]) -> bool:
+    """No in-place node between ``start`` and ``stop`` takes one of ``tensors`` (or the tensor it is a view of) as an
+    argument, stage markers aside: a replacement may read them at another point than the naive code did."""
+    watch = set(tensors) | {t.args[0] for t in tensors if is_call(t, "getitem", "view") and t.args}
+    inside = False
+    for n in graph.nodes:
+        if n is start:
+            inside = True
+        elif n is stop:
+            return True
+        elif inside and is_inplace(n) and not is_stage_marker(n) and watch & set(n.all_input_nodes):
+            return False
+    return True
+
+
 _LAYER_RE = re.compile(r"layers(?:\[|_|\.)(\d+)")
 
 

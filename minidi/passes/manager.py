@@ -11,16 +11,17 @@ see ``docs/passes.md``.
 
 Pass order (each pass sees the graph the previous one left): C moe_combine, E gate_tf32x3, D fp4_grouped_mm, A
 sparse_attention, B indexer_topk, F hc_mix, J hc_mix_fused, K hc_sinkhorn, G hc_expand, H moe_activation, I
-moe_row_gather, L fp8_experts, M indexer_candidates, N fp8_linear, O head_logits, P row_topk, Q expert_order. The
-passes touch disjoint subgraphs (B's top-k output feeds A's ``comp_idx``, and both read only the other's *result*);
-H and I read the GEMMs D leaves (either form), and J takes F's projection in either form (F's op or the naive GEMM),
-so apart from fp32 models (where H and I need D first) the order changes no match; it is fixed so that logs and
-graphs are stable. L rewrites D's and H's ops (and I's or the naive gather), so it comes after them and ``select``
-refuses it without D and H; M rewrites B's op (a re-index layer's mask from candidate block ids -> candidate-only
-scoring) and needs B. N (each FP8 linear's fq8, weight dequant and GEMM -> one op) reads what the others leave of
-the linears' inputs. O (the output head's fp32 GEMM) takes only a GEMM that is the graph's output, which no other
-pass's site is. P (the router's top-k) and Q (the dispatch's argsort and expert counts) replace values that other
-passes' ops only read (C's and I's ``order``, the GEMMs' ``offs`` from Q's counts).
+moe_row_gather, L fp8_experts, M indexer_candidates, N fp8_linear, R shared_fq8, O head_logits, P row_topk, Q
+expert_order. The passes touch disjoint subgraphs (B's top-k output feeds A's ``comp_idx``, and both read only the
+other's *result*); H and I read the GEMMs D leaves (either form), and J takes F's projection in either form (F's op or
+the naive GEMM), so apart from fp32 models (where H and I need D first) the order changes no match; it is fixed so that
+logs and graphs are stable. L rewrites D's and H's ops (and I's or the naive gather), so it comes after them and
+``select`` refuses it without D and H; M rewrites B's op (a re-index layer's mask from candidate block ids ->
+candidate-only scoring) and needs B. N (each FP8 linear's fq8, weight dequant and GEMM -> one op) reads what the others
+leave of the linears' inputs; R rewrites N's ops (linears that read one input with one act_block -> one fq8 op, the
+linears on its result with act_block 0) and needs N. O (the output head's fp32 GEMM) takes only a GEMM that is the
+graph's output, which no other pass's site is. P (the router's top-k) and Q (the dispatch's argsort and expert counts)
+replace values that other passes' ops only read (C's and I's ``order``, the GEMMs' ``offs`` from Q's counts).
 
     manager = PassManager("all", strict=True, expected=expected_sites(cfg))
     manager.run(gm)                   # rewrites gm in place
@@ -58,6 +59,7 @@ from .rewrite_moe_combine import MoECombine
 from .rewrite_moe_gather import MoERowGather
 from .rewrite_expert_order import ExpertOrder
 from .rewrite_row_topk import RowTopK
+from .rewrite_shared_fq8 import SharedFq8
 from .rewrite_sparse_attention import SparseAttention
 
 try:  # installable as an Inductor custom pass too (it then keys the FX graph cache by uuid())
@@ -69,8 +71,8 @@ log = logging.getLogger("minidi.passes")
 
 REWRITES: tuple[type[Rewrite], ...] = (MoECombine, GateTF32x3, FP4GroupedMM, SparseAttention, IndexerTopK,
                                         HCMixTF32x3, HCMixFused, HCSinkhorn, HCExpand, MoEActivation,
-                                        MoERowGather, FP8Experts, IndexerCandidates, FP8LinearOp, HeadLogits,
-                                        RowTopK, ExpertOrder)
+                                        MoERowGather, FP8Experts, IndexerCandidates, FP8LinearOp, SharedFq8,
+                                        HeadLogits, RowTopK, ExpertOrder)
 BY_KEY: dict[str, type[Rewrite]] = {r.key: r for r in REWRITES}
 BY_NAME: dict[str, type[Rewrite]] = {r.name: r for r in REWRITES}
 

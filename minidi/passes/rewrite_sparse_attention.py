@@ -39,8 +39,8 @@ from torch.fx import Node
 from minidi.ops.sparse_attention import ROPE_OUT, ROPE_Q, sparse_attention
 
 from .base import Match, Rewrite
-from .fx_utils import (arg, dims_equal, dtype, is_call, is_inplace, is_literal, n_args, normalize_einsum, rank,
-                       same_int, val)
+from .fx_utils import (arg, dims_equal, dtype, is_call, is_literal, is_stage_marker, n_args, normalize_einsum, rank,
+                       same_int, untouched_between, val)
 
 
 def _one(node, *names: str, n: int | None = None) -> bool:
@@ -159,36 +159,16 @@ def rope_chain(cat) -> tuple[Node, Node, Node, bool, set[Node]] | None:  # noqa:
     return x, cos, sin, inverse, nodes
 
 
-def _is_marker(node: Node) -> bool:
-    """A profiler stage marker (``minidi.model.stages``): reads a tensor for ordering only."""
-    return node.op == "call_function" and "stage_mark" in str(node.target)
-
-
 def _readers(node: Node, inside: set[Node]) -> list[Node] | None:
     """The stage markers among node's users when every other user is in ``inside``; None otherwise."""
     if not node.users:
         return None
     markers = [u for u in node.users if u not in inside]
-    return markers if all(_is_marker(u) for u in markers) else None
+    return markers if all(is_stage_marker(u) for u in markers) else None
 
 
 def _first(graph, nodes: set[Node]) -> Node:
     return next(n for n in graph.nodes if n in nodes)
-
-
-def _untouched_between(graph, start: Node, stop: Node, tensors: set[Node]) -> bool:
-    """No in-place node between ``start`` and ``stop`` takes one of ``tensors`` (or the tensor it is a view of) as an
-    argument, stage markers aside: the replacement may read them later than the naive chain did."""
-    watch = set(tensors) | {t.args[0] for t in tensors if is_call(t, "getitem", "view") and t.args}
-    inside = False
-    for n in graph.nodes:
-        if n is start:
-            inside = True
-        elif n is stop:
-            return True
-        elif inside and is_inplace(n) and not _is_marker(n) and watch & set(n.all_input_nodes):
-            return False
-    return True
 
 
 def _cats_of_slices(node: Node) -> list[Node]:
@@ -304,7 +284,7 @@ class SparseAttention(Rewrite):
         rq = rope_chain(q)  # q = apply_rope(q_raw, cos, sin), read by this attention (and stage markers) only
         if rq is not None and not rq[3] and dtype(rq[0]) == qdt:
             markers = _readers(q, nodes)
-            if markers is not None and _untouched_between(graph, _first(graph, rq[4]), start, {rq[0], rq[1], rq[2]}):
+            if markers is not None and untouched_between(graph, _first(graph, rq[4]), start, {rq[0], rq[1], rq[2]}):
                 reroute += [(mk, q, rq[0]) for mk in markers]  # a marker of the rotated q now marks q_raw
                 q, cos, sin = rq[0], rq[1], rq[2]
                 mode |= ROPE_Q

@@ -41,6 +41,7 @@ import torch
 
 from minidi.model import stages
 from minidi.model.config import ModelConfig
+from minidi.ops.fq8 import BLOCKS as FQ8_BLOCKS
 from minidi.passes import PassManager
 
 from .compile_cache import CompileCache, clear_recorded_artifacts, device_of, key_fields, triton_dir
@@ -72,9 +73,11 @@ def expected_sites(cfg: ModelConfig, regional: bool = False) -> dict[str, list[i
 up and down expert GEMMs on FP8), none without; M: every V4.1 re-index layer (its indexer scores only the candidate
     source's blocks); N: every FP8 linear (per layer the attention's wq_a, wq_b, wkv, wo_b and the shared expert's
     w1, w3, w2; an index-source layer's indexer wq_b; an Engram layer's wkv, except with ``regional``: the Engram
-    front graph has its own check); O: the output head's GEMM (site None), except with ``regional`` (the head graph
-    has its own check: ``HEAD_PASSES``); P: every layer routed by score (the router's top-k; hash-routed layers
-    have none); Q: every layer (the MoE dispatch's sort by expert). Only the selected passes are checked."""
+    front graph has its own check); R: every group of FP8 linears that read one input with fake quant on (per layer
+    attention's wq_a + wkv and the shared expert's w1 + w3; an index-source layer's wq_b + indexer wq_b), none
+    without; O: the output head's GEMM (site None), except with ``regional`` (the head graph has its own check:
+    ``HEAD_PASSES``); P: every layer routed by score (the router's top-k; hash-routed layers have none); Q: every
+    layer (the MoE dispatch's sort by expert). Only the selected passes are checked."""
     layers = list(range(cfg.n_layers))
     head: list[int | None] = [] if (cfg.is_v41 or regional) else [None]
     return {
@@ -92,6 +95,7 @@ up and down expert GEMMs on FP8), none without; M: every V4.1 re-index layer (it
         "L": [i for i in layers for _ in range(FP8_EXPERT_SITES)] if fp8_experts_apply(cfg) else [],
         "M": [i for i in layers if cfg.is_candidate_filtered(i)],
         "N": [i for i in layers for _ in range(fp8_linears(cfg, i, regional))],
+        "R": [i for i in layers for _ in range(shared_fq8_inputs(cfg, i))],
         "O": [] if regional else [None],
         "P": [i for i in layers if not cfg.is_hash_layer(i)],
         "Q": layers,
@@ -107,6 +111,16 @@ def fp8_linears(cfg: ModelConfig, layer: int, regional: bool = False) -> int:
     layer is an index source, the Engram's wkv where it has one (not with ``regional``: the Engram front compiles
     apart, with its own check: one site per front graph)."""
     return 4 + 3 + int(cfg.is_index_source(layer)) + int(layer in cfg.engram_layers and not regional)
+
+
+def shared_fq8_inputs(cfg: ModelConfig, layer: int) -> int:
+    """Inputs of a layer that several FP8 linears fake-quantise (pass R's sites): the attention input (wq_a, wkv),
+    the shared expert's input (w1, w3) and, in an index-source layer, the query latent (attention's wq_b, the
+    indexer's wq_b); none without fake quant (the linears take their inputs as they are) or with an fq8 block the
+    linears' op does not take (pass N then leaves each linear its own fq8 chain)."""
+    if not (cfg.fake_quant and cfg.act_block in FQ8_BLOCKS):
+        return 0
+    return 2 + int(cfg.is_index_source(layer))
 
 
 def fp8_experts_apply(cfg: ModelConfig) -> bool:

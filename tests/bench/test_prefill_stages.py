@@ -108,8 +108,9 @@ def test_a_minidi_op_call_is_a_range_of_its_own_stage():
 
 def test_every_minidi_op_has_a_stage_or_is_left_to_the_markers():
     """A new op must say which stage its kernels belong to (or None: "other"); gate_tf32x3 serves the MoE gate and the
-    mHC mixers, fp8_linear every FP8 linear (attention, indexer, shared expert, Engram), and the markers themselves
-    are ops: these are left to the markers."""
+    mHC mixers, fp8_linear every FP8 linear (attention, indexer, shared expert, Engram), fq8 the inputs those share
+    (attention, shared expert; the query latent of attention and indexer), and the markers themselves are ops: these
+    are left to the markers."""
     import importlib
     import pkgutil
 
@@ -119,7 +120,8 @@ def test_every_minidi_op_has_a_stage_or_is_left_to_the_markers():
     for mod in pkgutil.iter_modules(minidi.ops.__path__):
         importlib.import_module(f"minidi.ops.{mod.name}")
     registered = {n for n in torch._C._dispatch_get_all_op_names() if n.startswith("minidi::")}
-    left_to_markers = {"minidi::gate_tf32x3", "minidi::stage_mark", "minidi::fp8_linear", "minidi::fp8_linear_ref"}
+    left_to_markers = {"minidi::gate_tf32x3", "minidi::stage_mark", "minidi::fp8_linear", "minidi::fp8_linear_ref",
+                       "minidi::fq8", "minidi::fq8_ref"}
     assert registered - left_to_markers == set(OP_STAGE), sorted(registered - left_to_markers ^ set(OP_STAGE))
     assert {v for v in OP_STAGE.values() if v is not None} <= set(stages.STAGES)
 

@@ -88,3 +88,35 @@ def call_targets(gm: torch.fx.GraphModule) -> list[str]:
             t = n.target
             out.append(f"{getattr(t, '__module__', '')}.{getattr(t, '__name__', str(t))}".lstrip("."))
     return out
+
+
+_LAYER_MODULE = re.compile(r"layers\.(\d+)\.(.+)$")
+
+
+def shared_fq8_groups(graph: torch.fx.Graph) -> list[tuple[int, tuple[str, ...]]]:
+    """Pass R's fq8 calls of a model graph: (layer, the modules of the linears reading its result, sorted), in graph
+    order; module names relative to the layer (``attn.wq_a``), from Dynamo's ``nn_module_stack``."""
+    from minidi.ops.fp8_linear import fp8_linear
+    from minidi.ops.fq8 import fq8
+
+    out = []
+    for n in graph.nodes:
+        if n.op == "call_function" and n.target is fq8:
+            paths = [list(u.meta["nn_module_stack"].values())[-1][0] for u in n.users if u.target is fp8_linear]
+            found = [_LAYER_MODULE.search(p) for p in paths]
+            assert all(found) and len({int(m.group(1)) for m in found}) == 1, paths
+            out.append((int(found[0].group(1)), tuple(sorted(m.group(2) for m in found))))
+    return out
+
+
+def expected_fq8_groups(cfg) -> list[tuple[int, tuple[str, ...]]]:
+    """The groups pass R must find in a model with fake quant on: per layer the attention input (wq_a, wkv), the
+    query latent of an index-source layer (attention's and the indexer's wq_b), the shared expert's input (w1,
+    w3), in graph order."""
+    out = []
+    for i in range(cfg.n_layers):
+        out.append((i, ("attn.wkv", "attn.wq_a")))
+        if cfg.is_index_source(i):
+            out.append((i, ("attn.indexer.wq_b", "attn.wq_b")))
+        out.append((i, ("ffn.shared_experts.w1", "ffn.shared_experts.w3")))
+    return out

@@ -26,6 +26,8 @@ from minidi.passes import PassManager, PassMatchError
 from minidi.runtime.compile import dynamic_shape_config, expected_sites
 from minidi.runtime.engine import Engine, Request
 
+from .helpers import expected_fq8_groups, shared_fq8_groups
+
 KW = dict(max_batch_tokens=64, max_seqs=8, cache_tokens=2048, page_size=8)
 TOL = 1e-4  # fp32, fake-quant off: the ops differ from the naive code only in summation order
 
@@ -55,11 +57,11 @@ def test_every_site_matched(compiled):
     if compiled.name == "tiny-v41":
         assert compiled.manager.counts == {"C": 10, "E": 10, "D": 30, "A": 10, "B": 4, "F": 20, "J": 20, "K": 20,
                                            "G": 20, "H": 10, "I": 10, "L": 0,
-                                           "M": 1, "N": 76, "O": 1, "P": 10, "Q": 10}  # L: fake quant off
+                                           "M": 1, "N": 76, "R": 0, "O": 1, "P": 10, "Q": 10}  # L, R: fake quant off
     else:  # F, J: two mixers per layer + V4's hc_head
         assert compiled.manager.counts == {"C": 4, "E": 4, "D": 12, "A": 4, "B": 2, "F": 9, "J": 9, "K": 8, "G": 8,
-                                           "H": 4, "I": 4, "L": 0, "M": 0, "N": 30, "O": 1, "P": 3,
-                                           "Q": 4}  # P: layer 0 is hash-routed
+                                           "H": 4, "I": 4, "L": 0, "M": 0, "N": 30, "R": 0, "O": 1, "P": 3,
+                                           "Q": 4}  # P: layer 0 is hash-routed; L, R: fake quant off
 
 
 def test_logits_equal_uncompiled(compiled):
@@ -91,6 +93,7 @@ def test_naive_ops_gone(compiled):
         "minidi.ops.moe_activation.moe_activation": want["H"],
         "minidi.ops.moe_gather.gather_rows": want["I"],
         "minidi.ops.fp8_linear.fp8_linear": want["N"],
+        "minidi.ops.fq8.fq8": want["R"],  # none: fake quant off
         "minidi.ops.head_logits.head_logits": want["O"],
         "minidi.ops.row_topk.row_topk": want["P"],
         "minidi.ops.expert_order.expert_order": want["Q"],
@@ -189,6 +192,7 @@ class _Traced(Exception):
 ROPE_MODES: list[int] = []  # rope_mode of every sparse_attention the last trace_counts graph calls
 INDEXER_MMA: list[str | None] = []  # mma of every indexer call (B's and M's ops) in that graph
 INDEXER_OPS = ("indexer_topk", "indexer_topk_candidates")
+FQ8_GROUPS: list[tuple[int, tuple[str, ...]]] = []  # pass R's fq8 calls in that graph: (layer, the linears reading it)
 
 
 def indexer_mma(graph: torch.fx.Graph) -> list[str | None]:
@@ -200,6 +204,7 @@ def _trace_only(gm, example_inputs):
     ROPE_MODES[:] = [n.kwargs.get("rope_mode", 0) for n in gm.graph.nodes
                      if n.op == "call_function" and getattr(n.target, "__name__", "") == "sparse_attention"]
     INDEXER_MMA[:] = indexer_mma(gm.graph)
+    FQ8_GROUPS[:] = shared_fq8_groups(gm.graph)
 
     def run(*args):
         raise _Traced
@@ -225,19 +230,22 @@ def test_second_tiny_config_counts_traced():
     want = {k: len(v) for k, v in expected_sites(model.cfg).items()}
     assert trace_counts(model, 24) == want == {"A": 8, "B": 3, "C": 8, "D": 24, "E": 8, "F": 16, "J": 16, "K": 16,
                                                 "G": 16, "H": 8, "I": 8, "L": 0, "M": 1,
-                                                "N": 60, "O": 1, "P": 8, "Q": 8}
+                                                "N": 60, "R": 0, "O": 1, "P": 8, "Q": 8}
 
 
 def test_production_settings_counts_traced():
     """bf16 with fake-quant on (the served settings): D then matches the ``torch._grouped_mm`` form of the GEMMs, and
     every indexer site's q and k are fq4 outputs, so every indexer call (B's, and M's at the re-index layer) scores on
     FP8 tensor cores (``mma="fp8"``; with fake quant off none does, see
-    ``test_indexer_calls_are_not_fp8_without_fake_quant``; tiny V4: ``test_indexer_fp8_pass.py``)."""
+    ``test_indexer_calls_are_not_fp8_without_fake_quant``; tiny V4: ``test_indexer_fp8_pass.py``); and the FP8
+    linears' inputs are fq8'd, so pass R finds its groups: per layer wq_a + wkv and the shared expert's w1 + w3, in
+    the four index-source layers also attention's and the indexer's wq_b (tiny V4: ``test_rewrite_shared_fq8.py``)."""
     model = minidi.load_model("tiny-v41")
     assert model.cfg.torch_dtype == torch.bfloat16 and model.cfg.fake_quant
     want = {k: len(v) for k, v in expected_sites(model.cfg).items()}
     assert trace_counts(model, 24) == want
     assert INDEXER_MMA == ["fp8"] * want["B"] and want["M"] > 0
+    assert want["R"] == 24 and FQ8_GROUPS == expected_fq8_groups(model.cfg)
 
 
 def fake_model(name: str) -> torch.nn.Module:
