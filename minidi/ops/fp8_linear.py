@@ -45,9 +45,8 @@ from ._triton_formats import e4m3_byte_to_fp32, e8m0_to_fp32
 from ._triton_utils import cannot_run, resolve_backend, triton_can_run
 from ._weight_cache import cached_bytes, cached_per_tensor
 from .fq8 import BLOCKS as FQ8_BLOCKS
-from .fq8 import fq8_launch, fq8_ref
+from .fq8 import X_DTYPES, fq8_launch, fq8_ref
 
-X_DTYPES = (torch.bfloat16, torch.float32)  # the model's dtypes
 ACT_BLOCKS = (0, *FQ8_BLOCKS)  # 0: the input is not fake-quantised (no fake quant, or pass R's shared fq8)
 WEIGHT_BLOCKS = (32, 128)
 SCALE_DTYPES = (torch.uint8, torch.float8_e8m0fnu)

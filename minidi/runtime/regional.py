@@ -42,8 +42,8 @@ def core_label(kind: Any) -> str:
 
 
 def _compiled_layer(block: torch.nn.Module, backend: Callable, front_backend: Callable | None,
-                    dynamic: bool | None, compile_kwargs: dict, precompiled: PrecompiledCalls | None = None,
-                    before_call: Callable[[tuple], None] = lambda args: None) -> Callable:
+                    dynamic: bool | None, compile_kwargs: dict, precompiled: PrecompiledCalls | None,
+                    before_call: Callable[[tuple], None]) -> Callable:
     """The block's call (``Block.forward``'s composition: ``core`` after ``front``) with each part compiled: ``core``
     by the pass backend (one graph per ``kind()``, shared by the kind's layers through Dynamo's cache of its code),
     an Engram ``front`` by ``front_backend`` (its own graph, shared by the Engram layers; no pass sites in it). Set
@@ -68,10 +68,9 @@ def _compiled_layer(block: torch.nn.Module, backend: Callable, front_backend: Ca
 
 
 def _compiled_head(head: torch.nn.Module, backend: Callable, dynamic: bool | None, compile_kwargs: dict,
-                   precompiled: PrecompiledCalls | None = None,
-                   before_call: Callable[[tuple], None] = lambda args: None) -> Callable:
+                   precompiled: PrecompiledCalls | None, before_call: Callable[[tuple], None]) -> Callable:
     """The output head's call (``OutputHead.forward``) compiled by ``backend`` (its own graph: pass O's one site),
-    through ``PrecompiledCalls`` (label "head") with a compile cache."""
+    through ``PrecompiledCalls`` (label "head") with a compile cache; ``before_call`` as ``_compiled_layer``'s."""
     if precompiled is None:
         compiled = torch.compile(head.forward, backend=backend, dynamic=dynamic, **compile_kwargs)
 
