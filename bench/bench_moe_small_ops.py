@@ -10,10 +10,12 @@ measured in the same run.
      the others NaN) and all-local. Bytes = local rows read + [T, D] fp32 written.
   E  router: x [4,096, 5,120] (bf16 or fp32) @ weight [384, 5,120] bf16 -> fp32. FLOPs = 2 T D E (counted once);
      error = max|out - ref64| / max|ref64|; top6 = rows whose top-6 of sqrt(softplus) + bias equals float64's.
+     Also pass S's site with the same op: a V4.1 compressor's GEMM, x bf16 @ [512, 5,120] bf16 -> fp32.
   H  activation: g, v [R 98,304, I 2,304] bf16 (EP4: 96 experts x 256 local rows, the rest other ranks') -> clipped
      SwiGLU x weight -> bf16 -> fq8 (blocks of 32, V4.1). Bytes = the local rows' g, v read + a written (the op's
      minimum); pass L's form writes e4m3 values + one fp32 scale per 32 instead of a.
   I  gather: x [16,384, 5,120] bf16 -> x[idx] [98,304, 5,120], a quarter local. Bytes = local rows read + written.
+     Also fq8(x)[idx] (pass L's bf16 route): the three-step path it replaced vs ``gather_rows_fq8``.
   P  router top-k: s + bias [16,384, 384] fp32 (EP4's tokens; values on a coarse grid, so ties are common) -> top-6
      with ties to the lowest expert id. Bytes = the scores read + values and int64 indices written.
   Q  sort by expert: flat [98,304] int64 ids in [0, 384) -> stable order + counts. Bytes = ids read + order written.
@@ -38,6 +40,7 @@ from minidi.ops import gate_tf32x3 as e_op
 from minidi.ops import moe_activation as h_op
 from minidi.ops import moe_combine as c_op
 from minidi.ops import expert_order as q_op
+from minidi.ops.fp8_quant import fq8_split
 from minidi.ops import moe_gather as i_op
 from minidi.ops import row_topk as p_op
 from minidi.selection import topk_lowest_index
@@ -201,8 +204,33 @@ def bench_gate(pk: dict, smoke: bool) -> list:
             FAILURES.append(f"gate_tf32x3 x fp32, w fp32 {split}: {q}")
         ms = common.op_ms(lambda: e_op.gate_tf32x3(x32, x32w, x_split=split), DEV, smoke)
         common.table_row(table, f"x fp32, w fp32 minidi op {split}", ms, flop, "TFLOP/s", pk, {}, **q)
+    _bench_compressor_gemm(table, pk, smoke)
     common.print_table("E gate_tf32x3 (FLOPs 2 T D E once; error vs float64)", table)
     return table
+
+
+def _bench_compressor_gemm(table: list, pk: dict, smoke: bool) -> None:
+    """Pass S's site: a V4.1 compressor's fp32 GEMM (x [T, D] bf16 @ w [512, D] bf16, fp32 out) as cuBLAS runs it
+    (TF32 off) and as the op runs it."""
+    t, d, n = (64, 256, 32) if smoke else (4096, 5120, 512)
+    torch.manual_seed(3)
+    x = torch.randn(t, d, device=DEV).bfloat16()
+    w = (torch.randn(n, d, device=DEV) * d**-0.5).bfloat16()
+    ref = x.double() @ w.double().t()
+    flop = 2 * t * d * n
+
+    def err(out) -> dict:
+        return {"rel_err": float(f"{((out.double() - ref).abs().max() / ref.abs().max()).item():.2e}")}
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    base = {"fp32_eager": common.op_ms(lambda: x.float() @ w.float().t(), DEV, smoke)}
+    common.table_row(table, "compressor GEMM (S): fp32 matmul", base["fp32_eager"], flop, "TFLOP/s", pk, {},
+                     **err(x.float() @ w.float().t()))
+    q = err(e_op.gate_tf32x3(x, w))
+    if not q["rel_err"] <= 1e-5:
+        FAILURES.append(f"gate_tf32x3 at the compressor shape: {q}")
+    common.table_row(table, "compressor GEMM (S): minidi op", common.op_ms(lambda: e_op.gate_tf32x3(x, w), DEV, smoke),
+                     flop, "TFLOP/s", pk, base, **q)
 
 
 # ---- H: expert activation, I: dispatch gather (EP4: a quarter of the rows local) ----------------------------------
@@ -240,6 +268,10 @@ def bench_activation(pk: dict, smoke: bool) -> list:
     ms = common.op_ms(lambda: h_op.moe_activation(g, v, ws, offs, limit, block), DEV, smoke)
     common.table_row(table, "minidi op (local rows)", ms, nbytes, "GB/s", pk, base, differ_share=share,
                      within_one_e4m3_step=within)
+    # the same local rows as the only rows: no programs past offs[-1] (they return at once; what do they cost?)
+    g_loc, v_loc, ws_loc = g[:n].clone(), v[:n].clone(), ws[:n].clone()
+    ms_loc = common.op_ms(lambda: h_op.moe_activation(g_loc, v_loc, ws_loc, offs, limit, block), DEV, smoke)
+    common.table_row(table, "minidi op, only the local rows launched", ms_loc, nbytes, "GB/s", pk, base)
     q, s = h_op.moe_activation_fp8(g, v, ws, offs, limit, block)  # pass L's form: e4m3 values + scales
     same = torch.equal((q[:n].float() * s[:n].repeat_interleave(block, 1)), out[:n].float())
     if not same:
@@ -272,8 +304,34 @@ def bench_gather(pk: dict, smoke: bool) -> list:
     common.table_row(table, "x[idx] torch.compile (all rows)", base["compile"], nbytes, "GB/s", pk, {})
     ms = common.op_ms(lambda: i_op.gather_rows(x, idx, offs), DEV, smoke)
     common.table_row(table, "minidi gather_rows (local rows)", ms, nbytes, "GB/s", pk, base)
+    idx_loc = idx[:n].clone()  # the same local rows as the only rows: no programs past offs[-1]
+    ms_loc = common.op_ms(lambda: i_op.gather_rows(x, idx_loc, offs), DEV, smoke)
+    common.table_row(table, "minidi gather_rows, only the local rows launched", ms_loc, nbytes, "GB/s", pk, base)
+    _bench_fq8_gather(table, x, idx, offs, n, nbytes, pk, smoke)
     common.print_table("I gather_rows (bytes: local rows read + written)", table)
     return table
+
+
+def _bench_fq8_gather(table: list, x, idx, offs, n: int, nbytes: float, pk: dict, smoke: bool) -> None:
+    """Pass L's bf16 route into the experts' w1 / w3: fq8(x)[idx] on the local rows. Before: fq8_split of the T
+    tokens, q * s in bf16 (an elementwise kernel under compile) and gather_rows; now gather_rows_fq8 in one pass.
+    Same bytes basis as the gather (the op's minimum: local rows read + written)."""
+    block = 32  # V4.1's act_block
+
+    def three_steps(x, idx, offs):
+        q, s = fq8_split(x, block)
+        return i_op.gather_rows((q.float() * s.repeat_interleave(block, dim=-1)).to(x.dtype), idx, offs)
+
+    three_c = torch.compile(three_steps, dynamic=False)
+    fused = i_op.gather_rows_fq8(x, idx, offs, block)
+    same = torch.equal(three_c(x, idx, offs)[:n], fused[:n]) and torch.equal(fused[:n], fq8(x, block)[idx[:n]])
+    if not same:
+        FAILURES.append("gather_rows_fq8: local rows differ from fq8(x)[idx] or from the three-step path")
+    base = {"compile": common.op_ms(lambda: three_c(x, idx, offs), DEV, smoke)}
+    common.table_row(table, "fq8_split, q * s, gather_rows (compiled)", base["compile"],
+                     nbytes, "GB/s", pk, {})
+    common.table_row(table, "minidi gather_rows_fq8 (one pass)", common.op_ms(
+        lambda: i_op.gather_rows_fq8(x, idx, offs, block), DEV, smoke), nbytes, "GB/s", pk, base, bit_equal=same)
 
 
 # ---- P: router top-k, Q: the dispatch's sort by expert ------------------------------------------------------------

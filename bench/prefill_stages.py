@@ -61,9 +61,9 @@ OP_STAGE = {
     **{f"minidi::{op}": "indexer" for op in ("indexer_score", "indexer_score_fp8", "indexer_topk_candidates",
                                              "topk_indices", "rebase_e4m3")},
     **{f"minidi::{op}": "moe" for op in ("moe_combine", "moe_activation", "moe_activation_fp8", "gather_rows",
-                                         "fp4_grouped_mm", "fp4_grouped_mm_ref", "fp8_fp4_grouped_mm",
-                                         "fp8_fp4_grouped_mm_ref", "fq8_split", "fq8_split_ref", "row_topk",
-                                         "expert_order")},
+                                         "gather_rows_fq8", "fp4_grouped_mm", "fp4_grouped_mm_ref",
+                                         "fp8_fp4_grouped_mm", "fp8_fp4_grouped_mm_ref", "fq8_split",
+                                         "fq8_split_ref", "row_topk", "expert_order")},
     "minidi::rotated_blocks": "moe.comm",
     **{f"minidi::{op}": None for op in ("hc_mix_partials", "hc_sinkhorn", "hc_expand",  # None: "other"
                                         "head_logits", "head_logits_ref")},

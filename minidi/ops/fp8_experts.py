@@ -18,9 +18,9 @@ never written, as in the ops these replace.
 
 On sm_90 the same exact products go to bf16 tensor cores instead where that measured faster (``bf16_route``: up to
 192 local experts; ``MINIDI_EXPERTS_ROUTE=bf16`` / ``fp8`` forces either): the fq8 values are bf16 numbers, and
-``fp4_grouped_mm``'s register-operand kernel (``fp4_grouped_gemm_sm90_rs``) needs no per-32 promotion. Up: q * s per
-token (exact, one elementwise kernel), gathered as bf16 rows; down: pass H's ``moe_activation`` (the fq8 values in
-bf16).
+``fp4_grouped_mm``'s register-operand kernel (``fp4_grouped_gemm_sm90_rs``) needs no per-32 promotion. Up:
+``gather_rows_fq8`` (each local row read once and written as its fq8 values in bf16: one kernel where fq8_split, an
+elementwise q * s and the gather were three); down: pass H's ``moe_activation`` (the fq8 values in bf16).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from .fp4_grouped_gemm import fp4_grouped_mm
 from .fp8_grouped_gemm import fp8_fp4_grouped_mm
 from .fp8_quant import fq8_split
 from .moe_activation import moe_activation, moe_activation_fp8
-from .moe_gather import gather_rows
+from .moe_gather import gather_rows, gather_rows_fq8
 
 GEMM_BLOCK = 32  # the FP8 GEMM's activation scale block along K (= the FP4 weights' block)
 ROUTE_ENV = "MINIDI_EXPERTS_ROUTE"  # "auto" (default) | "bf16" | "fp8": which kernel runs the experts on sm_90
@@ -77,11 +77,10 @@ def fp8_experts_up(x: torch.Tensor, idx: torch.Tensor, offs: torch.Tensor, block
     if len(packed) != len(scales) or not packed:
         raise ValueError(f"fp8_experts_up: packed and scales must be non-empty lists of one length, got "
                          f"{len(packed)} and {len(scales)}")
-    q, s = fq8_split(x, block, backend=backend)
-    if bf16_route(x, packed[0], out_dtype):  # q * s: the fq8 values, exactly (e4m3 times a power of two)
-        xq = (q.to(torch.float32) * s.repeat_interleave(block, dim=-1)).to(x.dtype)
-        rows = gather_rows(xq, idx, offs, backend=backend)
+    if bf16_route(x, packed[0], out_dtype):  # the fq8 values as bf16 rows, quantised as they are gathered
+        rows = gather_rows_fq8(x, idx, offs, block, backend=backend)
         return [fp4_grouped_mm(rows, p, sc, offs, backend=backend) for p, sc in zip(packed, scales)]
+    q, s = fq8_split(x, block, backend=backend)
     qg = gather_rows(q, idx, offs, backend=backend)
     sg = gather_rows(_per_gemm_block(s, block), idx, offs, backend=backend)
     return [fp8_fp4_grouped_mm(qg, sg, p, sc, offs, out_dtype, backend=backend) for p, sc in zip(packed, scales)]

@@ -44,19 +44,26 @@ def fq8_ref(x: torch.Tensor, block: int) -> torch.Tensor:
 
 # ---- kernel --------------------------------------------------------------------------------------------------------
 @triton.jit
+def fq8_blocks(x):
+    """fq8 of each row of x [N, BLOCK] fp32 (a row is one fq8 block), in fp32: e4m3(clamp(x / s, +-448)) * s; a
+    block holding a NaN or an infinity comes out all NaN. Shared with the fused gather
+    (``moe_gather.gather_rows_fq8``), so the two cannot drift apart."""
+    a = tl.abs(x)
+    bad = tl.max(((a != a) | (a == float("inf"))).to(tl.int32), 1) > 0  # a NaN or an infinity: poisoned block
+    amax = tl.maximum(tl.max(tl.where(a == a, a, 0.0), 1), _AMAX_FLOOR)
+    s = pow2_ceil(tl.div_rn(amax, _E4M3_MAX))  # [N]
+    inv = ((254 - ((s.to(tl.int32, bitcast=True) >> 23) & 0xFF)) << 23).to(tl.float32, bitcast=True)  # 1 / s
+    q = round_e4m3(tl.minimum(tl.maximum(x * inv[:, None], -_E4M3_MAX), _E4M3_MAX))
+    return tl.where(bad[:, None], float("nan"), q * s[:, None])
+
+
+@triton.jit
 def _fq8_kernel(x_ptr, y_ptr, n_blocks, BLOCK: tl.constexpr, BLOCKS: tl.constexpr):
     b = tl.program_id(0).to(tl.int64) * BLOCKS + tl.arange(0, BLOCKS)  # [BLOCKS] block ids
     ok = b < n_blocks
     offs = b[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
     x = tl.load(x_ptr + offs, mask=ok[:, None], other=0.0).to(tl.float32)  # [BLOCKS, BLOCK]
-    a = tl.abs(x)
-    bad = tl.max(((a != a) | (a == float("inf"))).to(tl.int32), 1) > 0  # a NaN or an infinity: poisoned block
-    amax = tl.maximum(tl.max(tl.where(a == a, a, 0.0), 1), _AMAX_FLOOR)
-    s = pow2_ceil(tl.div_rn(amax, _E4M3_MAX))  # [BLOCKS]
-    inv = ((254 - ((s.to(tl.int32, bitcast=True) >> 23) & 0xFF)) << 23).to(tl.float32, bitcast=True)  # 1 / s
-    q = round_e4m3(tl.minimum(tl.maximum(x * inv[:, None], -_E4M3_MAX), _E4M3_MAX))
-    y = tl.where(bad[:, None], float("nan"), q * s[:, None])
-    tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=ok[:, None])
+    tl.store(y_ptr + offs, fq8_blocks(x).to(y_ptr.dtype.element_ty), mask=ok[:, None])
 
 
 def fq8_launch(x: torch.Tensor, block: int) -> torch.Tensor:

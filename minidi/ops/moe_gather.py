@@ -11,6 +11,10 @@ At emulated EP4 three quarters of those rows belong to other ranks' experts and 
 idx, offs)`` copies only the rows below offs[-1] and leaves the rest unwritten, as the grouped GEMMs do with their
 own outputs. Inserted by pass I (``minidi/passes/rewrite_moe_gather.py``).
 
+``gather_rows_fq8(x, idx, offs, block)`` is ``fq8(x, block)[idx]`` on those rows in the same pass (pass L's bf16
+route: the experts' w1 / w3 read the fq8 values as bf16 rows): each local row is read once and written quantised,
+with ``minidi::fq8``'s arithmetic (``fq8.fq8_blocks``), instead of an fq8 of all T rows written and read back.
+
 Kernel: one program per [BR rows, BD columns] tile. A program whose rows all lie past offs[-1] (read on the device,
 no host sync) returns at once. An index outside [0, T) gives a row of NaN (a loud wrong answer, never a read out of
 bounds); the ref backend and CPU tensors raise instead.
@@ -27,7 +31,9 @@ import torch
 import triton
 import triton.language as tl
 
+from . import fq8 as fq8_op
 from ._triton_utils import cannot_run, local_row_count, resolve_backend, triton_can_run
+from .fq8 import fq8_blocks
 
 X_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn)  # e4m3: fq8_split's values
 _E4M3_NAN = tl.constexpr(0x7F)  # the e4m3 byte of NaN: the poison of an out-of-range index in an e4m3 gather
@@ -43,7 +49,8 @@ def gather_rows_ref(x: torch.Tensor, idx: torch.Tensor, offs: torch.Tensor) -> t
 # ---- kernel --------------------------------------------------------------------------------------------------------
 @triton.jit
 def _gather_rows_kernel(x_ptr, idx_ptr, offs_ptr, out_ptr, T, R, D, E, stride_x, stride_o,
-                        BR: tl.constexpr, BD: tl.constexpr, BYTES: tl.constexpr):
+                        BR: tl.constexpr, BD: tl.constexpr, BYTES: tl.constexpr, QUANT: tl.constexpr,
+                        BLOCK: tl.constexpr):
     # the local-rows tile prologue, a deliberate twin of moe_activation's kernel (Triton inlines no shared
     # block-index helper that returns several tensors as cheaply as these six lines)
     n_rows = local_row_count(offs_ptr, E, R)
@@ -61,23 +68,29 @@ def _gather_rows_kernel(x_ptr, idx_ptr, offs_ptr, out_ptr, T, R, D, E, stride_x,
         else:
             v = tl.load(x_ptr + src[:, None] * stride_x + cols[None, :], mask=ok[:, None] & cm[None, :],
                         other=float("nan"))
-        tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_o + cols[None, :], v, mask=rm[:, None] & cm[None, :])
+        if QUANT:  # each row's blocks of BLOCK columns through minidi::fq8's arithmetic (BD a multiple of BLOCK)
+            v = tl.reshape(fq8_blocks(tl.reshape(v.to(tl.float32), [BR * BD // BLOCK, BLOCK])), [BR, BD])
+        tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_o + cols[None, :], v.to(out_ptr.dtype.element_ty),
+                 mask=rm[:, None] & cm[None, :])
 
 
-def launch(x: torch.Tensor, idx: torch.Tensor, offs: torch.Tensor, out: torch.Tensor) -> None:
+def launch(x: torch.Tensor, idx: torch.Tensor, offs: torch.Tensor, out: torch.Tensor, fq8_block: int = 0) -> None:
     """Checked tensors (x, out with unit column stride, idx / offs contiguous). Writes the rows of ``out`` below
-    offs[-1] only (tests pass a poisoned ``out``)."""
+    offs[-1] only (tests pass a poisoned ``out``); ``fq8_block`` > 0: each written row is fq8 of x's row."""
     r, d = out.shape
     if r == 0 or d == 0:
         return
     br = 16 if x.is_cuda else 8
-    bd = min(1024 if x.is_cuda else 64, triton.next_power_of_2(d))
+    # GPU copy tiles of 1,024 columns; quantising ones of 256 (62 registers a thread on sm_90, where 1,024 take all
+    # 255: the fp32 block arithmetic holds the tile)
+    bd = max(min((256 if fq8_block else 1024) if x.is_cuda else 64, triton.next_power_of_2(d)), fq8_block)
     grid = (triton.cdiv(r, br), triton.cdiv(d, bd))
     byte_rows = x.dtype == torch.float8_e4m3fn  # copied as bytes (the interpreter has no fp8 arrays)
     if byte_rows:
         x, out = x.view(torch.uint8), out.view(torch.uint8)
     _gather_rows_kernel[grid](x, idx, offs, out, x.shape[0], r, d, offs.numel(), x.stride(0), out.stride(0),
-                              BR=br, BD=bd, BYTES=byte_rows, num_warps=4)
+                              BR=br, BD=bd, BYTES=byte_rows, QUANT=fq8_block > 0, BLOCK=max(fq8_block, 1),
+                              num_warps=4)
 
 
 def _check(x: torch.Tensor, idx: torch.Tensor, offs: torch.Tensor) -> None:
@@ -95,23 +108,38 @@ def _check(x: torch.Tensor, idx: torch.Tensor, offs: torch.Tensor) -> None:
         fail(f"x, idx and offs must be on one device, got {sorted(map(str, devs))}")
 
 
-# ---- custom op -----------------------------------------------------------------------------------------------------
-@torch.library.custom_op("minidi::gather_rows", mutates_args=())
-def _gather_rows_op(x: torch.Tensor, idx: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+# ---- custom ops ----------------------------------------------------------------------------------------------------
+def _gathered(op: str, x: torch.Tensor, idx: torch.Tensor, offs: torch.Tensor, fq8_block: int) -> torch.Tensor:
+    """The body of both ops: the kernel's rows below offs[-1] (an index out of range raises on CPU tensors)."""
     if not triton_can_run(x, idx, offs):
-        raise cannot_run("minidi::gather_rows", x, idx, offs)
+        raise cannot_run(f"minidi::{op}", x, idx, offs)
     if idx.device.type == "cpu" and idx.numel():  # real tensors here (the op body), so a host check costs no sync
         lo, hi = int(idx.min()), int(idx.max())
         if lo < 0 or hi >= x.shape[0]:
-            raise IndexError(f"gather_rows: idx holds {lo if lo < 0 else hi}, outside x's {x.shape[0]} rows")
+            raise IndexError(f"{op}: idx holds {lo if lo < 0 else hi}, outside x's {x.shape[0]} rows")
     x = x if x.stride(-1) == 1 else x.contiguous()
     out = torch.empty(idx.shape[0], x.shape[1], dtype=x.dtype, device=x.device)
-    launch(x, idx.contiguous(), offs.contiguous(), out)
+    launch(x, idx.contiguous(), offs.contiguous(), out, fq8_block)
     return out
+
+
+@torch.library.custom_op("minidi::gather_rows", mutates_args=())
+def _gather_rows_op(x: torch.Tensor, idx: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    return _gathered("gather_rows", x, idx, offs, 0)
 
 
 @_gather_rows_op.register_fake
 def _(x, idx, offs):
+    return x.new_empty(idx.shape[0], x.shape[1])
+
+
+@torch.library.custom_op("minidi::gather_rows_fq8", mutates_args=())
+def _gather_rows_fq8_op(x: torch.Tensor, idx: torch.Tensor, offs: torch.Tensor, block: int) -> torch.Tensor:
+    return _gathered("gather_rows_fq8", x, idx, offs, block)
+
+
+@_gather_rows_fq8_op.register_fake
+def _(x, idx, offs, block):
     return x.new_empty(idx.shape[0], x.shape[1])
 
 
@@ -125,3 +153,19 @@ def gather_rows(x: torch.Tensor, idx: torch.Tensor, offs: torch.Tensor, backend:
     if resolve_backend(backend, "gather_rows", x, idx, offs) == "ref":
         return gather_rows_ref(x, idx, offs)
     return _gather_rows_op(x, idx, offs)
+
+
+def gather_rows_fq8(x: torch.Tensor, idx: torch.Tensor, offs: torch.Tensor, block: int,
+                    backend: str = "auto") -> torch.Tensor:
+    """``fq8(x, block)[idx]`` on the rows below offs[-1] in one pass: each local row read once from x and written
+    once quantised (the model's ``x = fq8(x); xs = x[idx]``, without the [T, D] fq8 result in between). x [T, D]
+    bf16 | fp32 with D a multiple of ``block`` (32 | 128); the rest as ``gather_rows``. Bit for bit ``minidi::fq8``
+    of the gathered rows: the model's fq8 on finite blocks, all NaN for a block holding a NaN or an infinity (as is
+    a row of an index out of range, from the kernel). ``backend`` "ref": plain torch on every row."""
+    _check(x, idx, offs)
+    if x.dtype not in fq8_op.X_DTYPES or block not in fq8_op.BLOCKS or x.shape[1] % block:
+        raise ValueError(f"gather_rows_fq8: x must be [T, D] {' | '.join(map(str, fq8_op.X_DTYPES))} with D a "
+                         f"multiple of block in {fq8_op.BLOCKS}, got {tuple(x.shape)} {x.dtype}, block {block!r}")
+    if resolve_backend(backend, "gather_rows_fq8", x, idx, offs) == "ref":
+        return fq8_op.fq8_ref(gather_rows_ref(x, idx, offs), block)
+    return _gather_rows_fq8_op(x, idx, offs, block)

@@ -77,7 +77,8 @@ up and down expert GEMMs on FP8), none without; M: every V4.1 re-index layer (it
     attention's wq_a + wkv and the shared expert's w1 + w3; an index-source layer's wq_b + indexer wq_b), none
     without; O: the output head's GEMM (site None), except with ``regional`` (the head graph has its own check:
     ``HEAD_PASSES``); P: every layer routed by score (the router's top-k; hash-routed layers have none); Q: every
-    layer (the MoE dispatch's sort by expert). Only the selected passes are checked."""
+    layer (the MoE dispatch's sort by expert); S: two per softmax-pooling compressor a layer runs (its wkv and
+    wgate GEMMs: ``compressor_gemms``). Only the selected passes are checked."""
     layers = list(range(cfg.n_layers))
     head: list[int | None] = [] if (cfg.is_v41 or regional) else [None]
     return {
@@ -99,6 +100,7 @@ up and down expert GEMMs on FP8), none without; M: every V4.1 re-index layer (it
         "O": [] if regional else [None],
         "P": [i for i in layers if not cfg.is_hash_layer(i)],
         "Q": layers,
+        "S": [i for i in layers for _ in range(compressor_gemms(cfg, i))],
     }
 
 
@@ -121,6 +123,16 @@ def shared_fq8_inputs(cfg: ModelConfig, layer: int) -> int:
     if not (cfg.fake_quant and cfg.act_block in FQ8_BLOCKS):
         return 0
     return 2 + int(cfg.is_index_source(layer))
+
+
+def compressor_gemms(cfg: ModelConfig, layer: int) -> int:
+    """fp32 GEMMs of a layer's softmax-pooling compressors (pass S's sites, two per compressor: wkv and wgate). V4.1:
+    a ratio-2 kv source runs one (a ratio-1 compressor is a bf16 projection; other layers share the source's
+    entries); V4: every compressed layer its attention's, and a ratio-4 layer its indexer's as well."""
+    ratio = cfg.compress_ratios[layer]
+    if cfg.is_v41:
+        return 2 * int(ratio == 2 and cfg.is_kv_source(layer))
+    return 2 * (int(ratio > 0) + int(ratio == 4))
 
 
 def fp8_experts_apply(cfg: ModelConfig) -> bool:

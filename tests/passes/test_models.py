@@ -57,11 +57,12 @@ def test_every_site_matched(compiled):
     if compiled.name == "tiny-v41":
         assert compiled.manager.counts == {"C": 10, "E": 10, "D": 30, "A": 10, "B": 4, "F": 20, "J": 20, "K": 20,
                                            "G": 20, "H": 10, "I": 10, "L": 0,
-                                           "M": 1, "N": 76, "R": 0, "O": 1, "P": 10, "Q": 10}  # L, R: fake quant off
+                                           "M": 1, "N": 76, "R": 0, "O": 1, "P": 10, "Q": 10,
+                                           "S": 4}  # L, R: fake quant off; S: 2 ratio-2 kv sources
     else:  # F, J: two mixers per layer + V4's hc_head
         assert compiled.manager.counts == {"C": 4, "E": 4, "D": 12, "A": 4, "B": 2, "F": 9, "J": 9, "K": 8, "G": 8,
                                            "H": 4, "I": 4, "L": 0, "M": 0, "N": 30, "R": 0, "O": 1, "P": 3,
-                                           "Q": 4}  # P: layer 0 is hash-routed; L, R: fake quant off
+                                           "Q": 4, "S": 10}  # P: layer 0 is hash-routed; L, R: fake quant off
 
 
 def test_logits_equal_uncompiled(compiled):
@@ -86,7 +87,8 @@ def test_naive_ops_gone(compiled):
         "minidi.ops.indexer_candidates.indexer_topk_candidates": want["M"],
         "minidi.ops.moe_combine.moe_combine": want["C"],
         "minidi.ops.fp4_grouped_gemm.fp4_grouped_mm": want["D"],
-        "minidi.ops.gate_tf32x3.gate_tf32x3": want["E"],  # the router (J took F's mHC projections)
+        "minidi.ops.gate_tf32x3.gate_tf32x3": want["E"] + want["S"],  # the router, the compressors' GEMMs (J took
+        # F's mHC projections)
         "minidi.ops.hc_mix.hc_mix_fused": want["J"],
         "minidi.ops.hc_sinkhorn.hc_sinkhorn": want["K"],
         "minidi.ops.hc_expand.hc_expand": want["G"],
@@ -139,6 +141,8 @@ hc_sinkhorn
 fp8_linear
 fp8_linear
 fp8_linear
+gate_tf32x3
+gate_tf32x3
 fp8_linear
 indexer_topk
 sparse_attention
@@ -230,7 +234,7 @@ def test_second_tiny_config_counts_traced():
     want = {k: len(v) for k, v in expected_sites(model.cfg).items()}
     assert trace_counts(model, 24) == want == {"A": 8, "B": 3, "C": 8, "D": 24, "E": 8, "F": 16, "J": 16, "K": 16,
                                                 "G": 16, "H": 8, "I": 8, "L": 0, "M": 1,
-                                                "N": 60, "R": 0, "O": 1, "P": 8, "Q": 8}
+                                                "N": 60, "R": 0, "O": 1, "P": 8, "Q": 8, "S": 2}
 
 
 def test_production_settings_counts_traced():

@@ -88,7 +88,8 @@ def test_counts_sum_over_layers(regional):
     want["O"] += 1  # the head graph's GEMM: no layer's site (its own check), in the step's counts
     assert regional.step.counts == want == {"A": 10, "B": 4, "C": 10, "D": 30, "E": 10, "F": 20, "J": 20,
                                                     "K": 20, "G": 20, "H": 10, "I": 10, "L": 0,
-                                                    "M": 1, "N": 74, "R": 0, "O": 1, "P": 10, "Q": 10}  # N: the 2 Engram wkv in the fronts
+                                                    "M": 1, "N": 74, "R": 0, "O": 1, "P": 10, "Q": 10,
+                                                    "S": 4}  # N: the 2 Engram wkv in the fronts
     for i, counts in regional.manager.layer_counts.items():  # each graph: the sites of its own layer
         assert counts == {k: v.count(i) for k, v in expected_sites(regional.cfg, regional=True).items()}, i
 
@@ -137,6 +138,7 @@ def test_naive_code_gone_from_a_layer_graph(regional):
            if n.op == "call_function" and getattr(n.target, "__module__", "").startswith("minidi.ops")]
     assert sorted(ops) == sorted(["indexer_topk", "sparse_attention", "gate_tf32x3", "moe_combine", "row_topk",
                                   "expert_order"]
+                                 + ["gate_tf32x3"] * 2  # the compressor's wkv and wgate GEMMs (S)
                                  + ["fp4_grouped_mm"] * 3
                                  + ["hc_mix_fused", "hc_sinkhorn"] * 2  # the two mixers (F's projection in J; K)
                                  + ["hc_expand"] * 2  # and the two stream updates (G)
