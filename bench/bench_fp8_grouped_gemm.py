@@ -2,7 +2,9 @@
 grouped GEMM, at V4.1-Flash shapes on one GPU, in one run.
 
 Shapes: w1/w3 (N 2,304, K 5,120) and w2 (N 5,120, K 2,304); EP4 rank (96 experts x 256 rows) and EP1 (384 x 64),
-R = 24,576 rows either way; rows per expert uniform or skewed (lognormal popularity, sigma 1, same R). Compared:
+R = 24,576 rows either way; rows per expert uniform, balanced (the real step's router loads: lognormal popularity
+sigma 0.14, cv ~0.15, max/mean ~1.4) or skewed (sigma 1), same R, one draw per (EP, dist) shared by w1/w3 and w2
+(``expert_gemm_cases.make_counts``; each case reports its cv, max/mean and tiles per expert). Compared:
 - gluon sm90: the Hopper Gluon kernel of the op (``fp8_grouped_gemm_sm90.py``, weight scales folded per row by
   ``fold_fp4_rows``, computed once per weight tensor, not timed), on sm_90 with Triton 3.6; ``op_fold_per_call``:
   the op as pass L calls it (``fold_gate`` on the device every call, the exact kernel's empty launch); ``--ablate``
@@ -17,8 +19,10 @@ R = 24,576 rows either way; rows per expert uniform or skewed (lognormal popular
   kernel below; "ws", round 17's decoder warps; "0", the Triton kernel), with the device-side code-range gate as the
   op runs it; ``--bf16-sweep`` the decoder-warp kernel's configs;
 - bf16 rs: the register-operand Hopper kernel (``fp4_grouped_gemm_sm90_rs.py``: the MMA warpgroups decode their own
-  weights into the registers of a register-operand wgmma, the activations the B operand) on the same bf16 rows;
-  ``--rs-sweep`` other configs;
+  weights into the registers of a register-operand wgmma, the activations the B operand) on the same bf16 rows, in
+  both tilings: ``bf16_rs_fixed`` (rounds 18-24: BT-row tiles) and ``bf16_rs_chunked`` (round 25: tiles sized to the
+  expert's rows in 64-row chunks, one MMA group queued ahead); ``bf16_rs`` repeats the default's row;
+  ``--rs-sweep`` other configs (on the uniform and balanced rows);
 - bf16 triton: the op's Triton kernel (``fp4_grouped_gemm.launch``, its default config): the reference every other
   output is checked against;
 - grouped_mm bf16: ``torch._grouped_mm`` on weights dequantised beforehand (dequant not counted).
@@ -54,10 +58,10 @@ from minidi.ops import fp8_grouped_gemm_sm90 as sm90  # noqa: E402
 
 if __package__:
     from . import common  # noqa: E402
-    from .expert_gemm_cases import check, dequant_chunked, make_counts  # noqa: E402
+    from .expert_gemm_cases import DISTS, check, dequant_chunked, load_stats, make_counts  # noqa: E402
 else:
     import common  # noqa: E402
-    from expert_gemm_cases import check, dequant_chunked, make_counts  # noqa: E402
+    from expert_gemm_cases import DISTS, check, dequant_chunked, load_stats, make_counts  # noqa: E402
 
 C = Fp8GemmConfig
 SWEEP = [C(BM=128, BN=128, BK=128, num_warps=8, num_stages=3),
@@ -77,7 +81,12 @@ B = bf16_sm90.Bf16Sm90Config
 BF16_SWEEP = [bf16_sm90.EP4, B(BN=128, maxnreg=128, dec_warps=4, dec_regs=80, NS=4), bf16_sm90.WIDE,
               B(dec_rows=2), bf16_sm90.EP1]
 RS = rs_sm90.RsConfig
-RS_SWEEP = [RS(NS=6), RS(NS=8), RS(overlap=False), RS(BT=64, NS=8), RS(BT=64, NS=6)]  # (the default: its own row)
+RS_SWEEP = [RS(NS=6),  # (the defaults of both tilings: their own rows)
+            dataclasses.replace(rs_sm90.EP4_CHUNKED, NS=5), dataclasses.replace(rs_sm90.EP4_CHUNKED, ahead=False),
+            rs_sm90.EP1_CHUNKED,  # (128-row chunked tiles at EP4: how much of the gain is the 256-row tile's)
+            dataclasses.replace(rs_sm90.EP1_CHUNKED, BT=64, NS=10),
+            dataclasses.replace(rs_sm90.EP1_CHUNKED, BT=256, NS=4)]
+SWEEP_DISTS = ("uniform", "balanced")  # the rows the config sweeps run on
 ABLATIONS = {"sync": dict(PIPE=False), "no_promote": dict(ABLATE=1), "no_decode": dict(ABLATE=2),
              "mma_only": dict(ABLATE=3)}
 
@@ -98,6 +107,14 @@ def bf16_variants(label: str, configs, kernel, args: tuple, ref: torch.Tensor, f
             row["error"] = f"{type(err).__name__}: {str(err)[:200]}"
         rows.append(row)
     return rows
+
+
+def rs_tilings(rows_per_expert: float) -> dict[str, "rs_sm90.RsConfig"]:
+    """The register-operand kernel's two tilings at this load: fixed BT-row tiles (rounds 18-24) and chunked tiles
+    sized to the expert's rows (round 25), each its regime's config."""
+    ep4 = rows_per_expert >= 96
+    return {"bf16_rs_fixed": rs_sm90.EP4_FIXED if ep4 else rs_sm90.EP1_FIXED,
+            "bf16_rs_chunked": rs_sm90.EP4_CHUNKED if ep4 else rs_sm90.EP1_CHUNKED}
 
 
 def fp8_peak_tflops(device: str) -> float:
@@ -121,7 +138,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--no-triton-fp8", action="store_true", help="skip the (slow) Triton fp8 kernel")
     ap.add_argument("--cases", default="EP4,EP1", help="comma list of EP4, EP1")
     ap.add_argument("--paths", default="w13,w2", help="comma list of w13, w2")
-    ap.add_argument("--dists", default="uniform,skewed", help="comma list of uniform, skewed")
+    ap.add_argument("--dists", default="uniform,skewed",
+                    help="comma list of uniform, balanced (the step's router loads), skewed")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--smoke", action="store_true", help="CPU dry run on tiny shapes (interpreter)")
     args = ap.parse_args(argv)
@@ -131,7 +149,6 @@ def main(argv: list[str] | None = None) -> dict:
         os.environ[hopper.ENV] = "rs"
     t0 = time.perf_counter()
     torch.manual_seed(args.seed)
-    gen = torch.Generator().manual_seed(args.seed)
     pk = common.measure_peaks(device)
     if not smoke:
         pk["fp8_tflops"] = float(f"{fp8_peak_tflops(device):.4g}")
@@ -158,14 +175,16 @@ def main(argv: list[str] | None = None) -> dict:
             w_bf16 = dequant_chunked(wp, ws, lambda a, b: fp4_dequant_ref(a, b, torch.bfloat16))
             base = sm90.fold_fp4_rows(ws) if gluon else None  # once per weight tensor (weights are constant)
             for dist in args.dists.split(","):
-                counts = make_counts(e, rows, dist, gen)
+                # one draw per (EP, dist): w1/w3 and w2 see the same loads
+                seed = args.seed * 10007 + 10 * e + DISTS.index(dist)
+                counts = make_counts(e, rows, dist, torch.Generator().manual_seed(seed))
                 offs = counts.cumsum(0).to(torch.int32).to(device)
                 r = int(counts.sum())
                 x = fq8(torch.randn(r, k, device=device, dtype=torch.bfloat16), 32)  # rows on the fq8 grid
                 q, s = fq8_split(x, 32)
                 flops = 2.0 * r * n * k
                 case = {"ep": ep, "experts": e, "path": path, "N": n, "K": k, "dist": dist, "R": r,
-                        "max_rows": int(counts.max()), "flops": flops}
+                        "max_rows": int(counts.max()), "flops": flops, "loads": load_stats(counts)}
                 ref = torch.full((r, n), float("nan"), dtype=torch.bfloat16, device=device)
                 fp4_gemm.launch(x, wp, ws, offs, ref)  # the Triton kernel: the reference of every check
                 bf16_out = fp4_grouped_mm(x, wp, ws, offs)
@@ -181,12 +200,16 @@ def main(argv: list[str] | None = None) -> dict:
                     timed["gluon_sm90"] = lambda: sm90.launch_sm90(q, s, wp, ws, base, offs, out_g, gcfg)
                     # the op as pass L calls it: the fold decided on the device every call (fold_gate), no host sync
                     timed["op_fold_per_call"] = lambda: fp8_fp4_grouped_mm(q, s, wp, ws, offs, torch.bfloat16)
-                    # the register-operand bf16 kernel (decode in the MMA warps), on the fq8 activations as bf16
+                    # the register-operand bf16 kernel (decode in the MMA warps), on the fq8 activations as bf16, in
+                    # both tilings (the default's row is repeated as bf16_rs)
                     rcfg = rs_sm90.default_config(r / e)
+                    rs_cfgs = rs_tilings(r / e)
                     out_rs = torch.full_like(ref, float("nan"))
-                    rs_sm90.launch_sm90_rs(x, wp, ws, offs, out_rs, rcfg)
-                    case["rs_check"] = check(out_rs, ref)
-                    timed["bf16_rs"] = lambda: rs_sm90.launch_sm90_rs(x, wp, ws, offs, out_rs, rcfg)
+                    for label, c in rs_cfgs.items():
+                        out_rs.fill_(float("nan"))
+                        rs_sm90.launch_sm90_rs(x, wp, ws, offs, out_rs, c)
+                        case[f"{label}_check"] = check(out_rs, ref)
+                        timed[label] = (lambda c_: lambda: rs_sm90.launch_sm90_rs(x, wp, ws, offs, out_rs, c_))(c)
                 if not args.no_triton_fp8:
                     timed["fp8_op"] = lambda: launch(q, s, wp, ws, offs, out, cfg)
                     timed["fp8_op_with_split"] = lambda: launch(*fq8_split(x, 32), wp, ws, offs, out, cfg)
@@ -204,13 +227,16 @@ def main(argv: list[str] | None = None) -> dict:
                 case["bf16_op"].update(check(bf16_out, ref))
                 case["bf16_op"]["sm90_gluon"] = gluon and hopper.can_run(x, wp)
                 case["bf16_op"]["pct_bf16_peak"] = round(100 * case["bf16_op"]["tflops"] / pk["bf16_tflops"], 1)
-                if "bf16_rs" in case:
-                    rr = case["bf16_rs"]
-                    rr["config"] = rcfg.name()
-                    rr.update(case.pop("rs_check"))
-                    rr["pct_bf16_peak"] = round(100 * rr["tflops"] / pk["bf16_tflops"], 1)
-                    for other in ("bf16_op", "gluon_sm90", "grouped_mm_bf16"):
-                        rr[f"x_vs_{other}"] = round(case[other]["ms"] / rr["ms"], 2)
+                for label in ("bf16_rs_fixed", "bf16_rs_chunked"):
+                    if label in case:
+                        rr = case[label]
+                        rr["config"] = rs_cfgs[label].name()
+                        rr.update(case.pop(f"{label}_check"))
+                        rr["pct_bf16_peak"] = round(100 * rr["tflops"] / pk["bf16_tflops"], 1)
+                        for other in ("bf16_op", "gluon_sm90", "grouped_mm_bf16", "bf16_rs_fixed"):
+                            rr[f"x_vs_{other}"] = round(case[other]["ms"] / rr["ms"], 2)
+                        if rs_cfgs[label] == rcfg:
+                            case["bf16_rs"] = dict(rr, tiling=label)
                 for other in ("bf16_triton", "grouped_mm_bf16", "gluon_sm90"):
                     if other in case:
                         case["bf16_op"][f"x_vs_{other}"] = round(case[other]["ms"] / case["bf16_op"]["ms"], 2)
@@ -248,7 +274,7 @@ def main(argv: list[str] | None = None) -> dict:
                 sweeps = ((args.bf16_sweep, "bf16", BF16_SWEEP, bf16_sm90.launch_sm90),
                           (args.rs_sweep, "rs", RS_SWEEP, rs_sm90.launch_sm90_rs))
                 for wanted_sweep, label, configs, kernel in sweeps:
-                    if gluon and dist == "uniform" and wanted_sweep:
+                    if gluon and dist in SWEEP_DISTS and wanted_sweep:
                         gl_rows += bf16_variants(label, configs, kernel, (x, wp, ws, offs), ref, flops, ms)
                 case["gluon_variants"] = gl_rows
                 sweep = []
@@ -276,8 +302,9 @@ def main(argv: list[str] | None = None) -> dict:
                 gk = case.get("gluon_sm90", {})
                 common.say(f"{ep} {path} {dist:<8} gluon {tf('gluon_sm90')} TFLOP/s ({gk.get('ms', float('nan')):.3f} "
                            f"ms, {gk.get('pct_fp8_peak', '')}% fp8, ok {gk.get('ok', '')}) | op, fold per call "
-                           f"{tf('op_fold_per_call')} | bf16 rs {tf('bf16_rs')} "
-                           f"(ok {case.get('bf16_rs', {}).get('ok')}) | triton fp8 "
+                           f"{tf('op_fold_per_call')} | bf16 rs fixed {tf('bf16_rs_fixed')} chunked "
+                           f"{tf('bf16_rs_chunked')} (ok {case.get('bf16_rs_fixed', {}).get('ok')}/"
+                           f"{case.get('bf16_rs_chunked', {}).get('ok')}) | triton fp8 "
                            f"{tf('fp8_op')} | bf16 op {tf('bf16_op')} (ok {case['bf16_op'].get('ok')}) | bf16 triton "
                            f"{tf('bf16_triton')} | grouped_mm bf16 {tf('grouped_mm_bf16')} | "
                            f"split {case['fq8_split_alone']['gbps']} GB/s")

@@ -33,8 +33,8 @@ def _scores_candidates(cfg: ModelConfig, layer: int) -> bool:
 # label -> (term name, which layers' terms, kernels that compute them)
 KERNEL_TERMS: dict[str, tuple[str, Callable[[ModelConfig, int], bool], tuple[str, ...]]] = {
     "moe.routed": ("moe.routed", _every_layer,
-                   ("_fp8_fp4_grouped_mm_sm90", "_fp8_fp4_grouped_mm_kernel", "_fp4_grouped_mm_sm90_rs",
-                    "_fp4_grouped_mm_sm90", "_fp4_grouped_mm_kernel")),
+                   ("_fp8_fp4_grouped_mm_sm90", "_fp8_fp4_grouped_mm_kernel", "_fp4_grouped_mm_sm90_rs_chunked",
+                    "_fp4_grouped_mm_sm90_rs", "_fp4_grouped_mm_sm90", "_fp4_grouped_mm_kernel")),
     "attn.core": ("attn.core", _every_layer,
                   ("_sparse_attention_sm90_stagger", "_sparse_attention_sm90_split", "_sparse_attention_sm90",
                    "_sparse_attention_kernel")),

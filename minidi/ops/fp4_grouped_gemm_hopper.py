@@ -107,6 +107,40 @@ if HAVE_GLUON:
         m0 = _sum0(gl.where(ei == e, starts, 0)) + (mt - first) * BM
         return e, m0, _sum0(gl.where(ei == e + 1, starts, 0))
 
+    # A scalar form of the same schedule: the vectors above cost a one-warp loader 16 registers each (E_POW2 = 512
+    # over 32 lanes), which the MMA partition wants (setmaxnreg shares one budget), and ``_rows``'s reductions cost
+    # the MMA partition barriers each tile. The walk reads offs with scalar loads as the tile ids grow.
+
+    @gluon.jit
+    def _clamped_end(offs_ptr, e, R):
+        """Row end of expert e, clamped to [0, R] (``_schedule``'s ends)."""
+        return gl.minimum(gl.maximum(gl.load(offs_ptr + e), 0), R)
+
+    @gluon.jit
+    def _m_tile_count(offs_ptr, R, E, BM: gl.constexpr, NW: gl.constexpr):
+        """``_schedule``'s m-tile count, 32 NW experts at a time (registers: one element of a vector per thread)."""
+        lay: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
+        total = 0
+        for e0 in range(0, E, 32 * NW):
+            ei = e0 + gl.arange(0, 32 * NW, layout=lay)
+            ends = gl.minimum(gl.maximum(gl.load(offs_ptr + ei, mask=ei < E, other=R), 0), R)
+            starts = gl.load(offs_ptr + ei - 1, mask=(ei >= 1) & (ei < E), other=0)
+            starts = gl.minimum(gl.maximum(starts, 0), R)
+            total += _sum0(gl.where(ei < E, (gl.maximum(ends - starts, 0) + BM - 1) // BM, 0))
+        return total
+
+    @gluon.jit
+    def _walk(mt, e, first, lo, hi, offs_ptr, R, E, BM: gl.constexpr):
+        """Advance the walk state (expert e, its first m-tile id, its clamped rows [lo, hi)) to m-tile ``mt`` (not
+        before the state's): the same (e, first row, row end) as ``_rows``, with scalar loads. Returns (e, m0,
+        m_end, first, lo, hi)."""
+        while (mt >= first + (gl.maximum(hi - lo, 0) + BM - 1) // BM) & (e < E - 1):
+            first += (gl.maximum(hi - lo, 0) + BM - 1) // BM
+            e += 1
+            lo = hi
+            hi = _clamped_end(offs_ptr, e, R)
+        return e, lo + (mt - first) * BM, hi, first, lo, hi
+
 
 __all__ = ["BK", "CODE_HI", "CODE_LO", "CODE_NAN", "ENV", "HOPPER_KERNELS", "can_run", "enabled", "gluon_supported",
            "hopper_kernel", "launch_grid", "range_gate", "tma_ready"]

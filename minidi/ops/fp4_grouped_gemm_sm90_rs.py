@@ -36,12 +36,32 @@ K loop runs two stages a step, each decoded into its own registers, and each sta
 the wait) until the wait that follows the next decode: no register of an in-flight operand is rewritten, which the
 CPU test checks on the compiled SASS (``tests/ops/gluon_compile.inflight_a_writes``). K must be a multiple of 128.
 
+Chunked tiles (round 25, ``RsConfig.chunked``, the default; the kernel is ``fp4_grouped_gemm_sm90_rs_chunked.py``):
+the decode costs per tile whatever its rows, and with fixed 128-row tiles the step's ragged loads (cv ~0.15: 257-384
+rows take 3 tiles) decode ~2.5 tiles per 256-row expert. A chunked tile holds up to BT = 256 rows of one expert as ceil(rows / 64) chunks of 64 (tiles per expert:
+cdiv(rows, 256), greedy), so ~1.5 decoded tiles and MMA columns of the rows rounded up to 64:
+- the loader TMAs only the tile's chunks ([64, 64] boxes into the stage's rows; one predicated expect-tx per chunk
+  count, as the byte count must be a constant) and walks the schedule with scalar loads (``_walk``): it fits 24
+  registers, so setmaxnreg gives the MMA warps 240 (``RsConfig.mma_regs``) and the 128 accumulator registers of a
+  256-row tile fit without spills;
+- the MMA partition branches once per tile on the chunk count to a K loop specialised to it (N = 64, 128, 128 + 64,
+  256: two accumulators at most, every wgmma in straight-line code) and stores each accumulator through its own
+  transposing conversion;
+- ``ahead``: each stage issues its MMAs and then waits for the previous stage's (wait(1)), so one MMA group stays
+  queued while the next stage decodes. With wait(0) before the issue (the fixed kernel), ptxas schedules the
+  decode's arithmetic after the wait (SASS), which leaves the tensor cores idle during it. The CPU test walks the
+  SASS for writes to the A registers of any group still in flight after a wait(N).
+
 Measured on the H200 (round 18, ``docs/ops/fp4_grouped_gemm.md``): V4.1 EP4 w1/w3 at uniform load 517.6 TFLOP/s
 (4 stages; the FP8 kernel 438.1, the Triton bf16 kernel 393.7, torch's grouped GEMM on pre-dequantised weights 663.6
 in the same run); in the full V4.1 EP4 step the experts' GEMMs take 162.5 ms against the FP8 kernel's 184.8.
+Round 25 (H100, fixed vs chunked tiles in one run): EP4 w1/w3 uniform 491.0 -> 638.7, balanced loads (cv 0.14)
+418.3 -> 518.7 (torch's grouped GEMM on pre-dequantised weights 565.1 / 489.4); EP1 uniform 315.8 -> 317.5,
+balanced 212.0 -> 264.2.
 
 Legend: R rows (sorted by expert), E experts, N output columns (weight rows), K input columns, BT activation rows
-per tile (the wgmma's N), BW weight rows per tile, WG MMA warpgroups, NS stages.
+per tile (the wgmma's N; chunked: at most), BW weight rows per tile, WG MMA warpgroups, NS stages, CH = 64 rows a
+chunk, NA / NB the activation rows of a chunked tile's two accumulators.
 """
 
 from __future__ import annotations
@@ -107,13 +127,18 @@ mul.rn.bf16x2 $3, w3, $8;
 
 @dataclass(frozen=True)
 class RsConfig:
-    BT: int = 128  # activation rows per tile (the wgmma's N)
+    BT: int = 128  # activation rows per tile (the wgmma's N); chunked: at most this many, in chunks of 64
     WG: int = 2  # MMA warpgroups, 64 weight rows each (the layouts are built for 2)
     NS: int = 4  # pipeline stages (BT x 128 + BW x 32 bytes each)
     maxnreg: int = 168  # per-thread register cap: (WG + 1 padded loader warpgroup) x 128 threads share 64K
     loader_regs: int = 88  # the loader's schedule vectors without spills
     overlap: bool = True  # decode a stage while the previous stage's MMAs run (False: one after the other)
     progs_per_sm: int = 1
+    chunked: bool = False  # tiles sized to the expert's rows: ceil(rows / 64) chunks of 64, up to BT (round 25)
+    # chunked: issue a stage's MMAs before waiting for the previous stage's (wgmma wait(1)), so one MMA group is
+    # always queued while the next stage decodes (round 25: in the SASS of both kernels the decode's arithmetic
+    # comes after the wait(0) on the previous stage, so the MMAs overlapped only its shared-memory loads)
+    ahead: bool = False
 
     @property
     def BW(self) -> int:
@@ -123,31 +148,57 @@ class RsConfig:
         return 128 * (self.WG + 1)
 
     def smem_bytes(self) -> int:
-        """Stages plus the epilogue's transpose of the bf16 tile (an upper bound of its scratch)."""
-        return self.NS * (self.BT * BK * 2 + self.BW * BK // 2) + self.BT * self.BW * 2 + 1024
+        """Stages plus the epilogue's transpose of the bf16 tile (an upper bound of its scratch). Chunked: Triton
+        converts the transposing epilogue in rounds through a few KB of scratch (the compiled kernels' shared memory
+        is the stages + 4,164 bytes, CPU compile, both tilings), so 16 KB bounds it and a fifth 256-row stage fits."""
+        scratch = 16384 if self.chunked else self.BT * self.BW * 2 + 1024
+        return self.NS * (self.BT * BK * 2 + self.BW * BK // 2) + scratch
+
+    def mma_regs(self) -> int:
+        """Registers per MMA thread that setmaxnreg gives the default partition (Gluon's warp_specialize: the
+        kernel's maxnreg x threads less the loader warpgroup's, over the MMA threads, down to a multiple of 8)."""
+        return (self.maxnreg * self.threads() - 128 * self.loader_regs) // (128 * self.WG) // 8 * 8
 
     def check(self) -> None:
         """Clear errors for a config the GPU cannot run."""
-        if self.BT not in (64, 128) or self.WG != 2:  # (128 x 256 would need 128 accumulator registers a thread)
-            raise ValueError(f"fp4_grouped_mm (sm90 rs): {self.name()}: BT must be 64 or 128 with WG = 2")
+        tiles = (64, 128, 256) if self.chunked else (64, 128)  # (unchunked 256 rows: one 128-register wgmma N)
+        if self.BT not in tiles or self.WG != 2:
+            raise ValueError(f"fp4_grouped_mm (sm90 rs): {self.name()}: BT must be one of {tiles} with WG = 2")
         if self.threads() * self.maxnreg > 65536:
             raise ValueError(f"fp4_grouped_mm (sm90 rs): {self.name()}: {self.threads()} threads x maxnreg "
                              f"{self.maxnreg} exceed the 65,536 registers of a multiprocessor")
+        if self.chunked and not self.overlap:
+            raise ValueError(f"fp4_grouped_mm (sm90 rs): {self.name()}: chunked tiles always overlap the decode")
+        if self.ahead and not self.chunked:
+            raise ValueError(f"fp4_grouped_mm (sm90 rs): {self.name()}: MMAs ahead is the chunked kernel's")
         if self.smem_bytes() > SMEM_BYTES:
             raise ValueError(f"fp4_grouped_mm (sm90 rs): {self.name()}: {self.smem_bytes()} bytes of shared memory "
                              f"exceed {SMEM_BYTES}")
 
     def name(self) -> str:
-        return f"rs_BT{self.BT}_BW{self.BW}_S{self.NS}_r{self.maxnreg}_p{self.progs_per_sm}" + \
+        return f"rs_BT{self.BT}_BW{self.BW}_S{self.NS}_r{self.maxnreg}_l{self.loader_regs}_p{self.progs_per_sm}" + \
+            ("_chunked" if self.chunked else "") + ("_ahead" if self.ahead else "") + \
             ("" if self.overlap else "_serial")
 
 
-EP4 = RsConfig()  # 128 activation rows x 128 weight rows: 2 x m64n128 wgmma per k16 (round 18: 4 stages best)
-EP1 = RsConfig(BT=64, NS=10)  # 64 rows per expert (EP1) fill one tile
+EP4_FIXED = RsConfig()  # rounds 18-24: 128 activation rows x 128 weight rows: 2 x m64n128k16 wgmma per k16
+EP1_FIXED = RsConfig(BT=64, NS=10)  # 64 rows per expert (EP1) fill one tile
+# Round 25: tiles of up to 256 rows sized to the expert's rows (EP4's ragged loads: ~1.5 tiles an expert, not ~2.5),
+# one MMA group queued ahead. Registers (ptxas 12.8, CPU compile): the loader's scalar schedule fits setmaxnreg's
+# minimum 24, which leaves the MMA warps 240 (``mma_regs``): 0 spills, and ptxas keeps the wgmmas asynchronous (at
+# 232 it serialises the 256-row tile's with ``ahead``: C7512, insufficient registers). H100, one run: 1.22-1.30x the
+# fixed tiles at EP4 (uniform and balanced loads), 1.00-1.01x at EP1 uniform, 1.25-1.27x EP1 balanced
+# (docs/benchmarks/h100_round25). EP1: at most 128 rows (a balanced expert of 65-128 rows in one tile; 256 measured
+# no better there).
+EP4_CHUNKED = RsConfig(BT=256, NS=4, chunked=True, ahead=True, loader_regs=24)
+EP1_CHUNKED = RsConfig(BT=128, NS=8, chunked=True, ahead=True, loader_regs=24)
+EP4 = EP4_CHUNKED
+EP1 = EP1_CHUNKED
 
 
 def default_config(rows_per_expert: float) -> RsConfig:
-    """128-row activation tiles where experts hold >= 96 rows (EP4), else 64 (EP1's 64 rows per expert)."""
+    """Chunked tiles of up to 256 activation rows where experts hold >= 96 rows on average (EP4), else up to 128
+    (EP1's 64 rows per expert)."""
     return EP4 if rows_per_expert >= 96 else EP1
 
 
@@ -205,19 +256,29 @@ if HAVE_GLUON:
         return gl.expand_dims(s, 2)
 
     @gluon.jit
+    def _decode_words(p_buf, s3, P2: gl.constexpr, P3: gl.constexpr, BW: gl.constexpr, DECODE_ASM: gl.constexpr):
+        """The packed stage [BW, 32] bytes -> the decode's int32 words [BW, 2, 16] (bf16 pairs, scaled)."""
+        p = gl.convert_layout(gl.reshape(p_buf.load(P2), [BW, 2, 16]), P3, assert_trivial=True)
+        s = gl.broadcast(s3, p)[0]
+        return gl.inline_asm_elementwise(DECODE_ASM, "=r,=r,=r,=r,r,r,r,r,r", [p, s], dtype=gl.int32, is_pure=True,
+                                         pack=4)
+
+    @gluon.jit
+    def _operand(v, A_L: gl.constexpr, BW: gl.constexpr):
+        """The decode's words -> the bf16 A operand [BW, 64] in the wgmma's register layout (no data movement)."""
+        lo = v.to(gl.int16).to(gl.bfloat16, bitcast=True)
+        hi = (v >> 16).to(gl.int16).to(gl.bfloat16, bitcast=True)
+        w = gl.reshape(gl.join(lo, hi), [BW, 64])
+        return gl.convert_layout(w, A_L, assert_trivial=True)
+
+    @gluon.jit
     def _decode(p_buf, s3, P2: gl.constexpr, P3: gl.constexpr, A_L: gl.constexpr, BW: gl.constexpr,
                 DECODE_ASM: gl.constexpr):
         """The packed stage [BW, 32] bytes -> the bf16 A operand [BW, 64] in the wgmma's register layout, and the
         decode's int32 words (bf16 pairs) it is made of."""
-        p = gl.convert_layout(gl.reshape(p_buf.load(P2), [BW, 2, 16]), P3, assert_trivial=True)
-        s = gl.broadcast(s3, p)[0]
-        v = gl.inline_asm_elementwise(DECODE_ASM, "=r,=r,=r,=r,r,r,r,r,r", [p, s], dtype=gl.int32, is_pure=True,
-                                      pack=4)
-        lo = v.to(gl.int16).to(gl.bfloat16, bitcast=True)
-        hi = (v >> 16).to(gl.int16).to(gl.bfloat16, bitcast=True)
-        w = gl.reshape(gl.join(lo, hi), [BW, 64])
+        v = _decode_words(p_buf, s3, P2, P3, BW, DECODE_ASM)
         # (v: the A operand's registers themselves, as the wgmma reads them: the caller keeps them alive)
-        return gl.convert_layout(w, A_L, assert_trivial=True), v
+        return _operand(v, A_L, BW), v
 
     @gluon.jit
     def _stage(x_bufs, p_bufs, ready, empty, ws_ptr, row_off, acc, v_other, s3, i, ks, ksteps, NS: gl.constexpr,
@@ -316,19 +377,30 @@ def descriptors(x: torch.Tensor, w_packed: torch.Tensor, cfg: RsConfig):
     weights as bytes [E * N, K / 2] in [BW, 32] boxes (32-byte swizzle: a warp's 8 rows in distinct banks)."""
     e, n = w_packed.shape[:2]
     k = x.shape[1]
-    x_layout = gl.NVMMASharedLayout.get_default_for([cfg.BT, BK], gl.bfloat16)
+    box = [64 if cfg.chunked else cfg.BT, BK]  # (chunked tiles: one box per 64-row chunk)
+    x_layout = gl.NVMMASharedLayout.get_default_for(box, gl.bfloat16)
     w_layout = gl.NVMMASharedLayout(swizzle_byte_width=32, element_bitwidth=8, rank=2)
     w8 = w_packed.view(torch.int8).reshape(e * n, k // 2)
-    return (TensorDescriptor.from_tensor(x, [cfg.BT, BK], x_layout),
+    return (TensorDescriptor.from_tensor(x, box, x_layout),
             TensorDescriptor.from_tensor(w8, [cfg.BW, BK // 2], w_layout))
+
+
+def kernel_for(cfg: RsConfig):
+    """The Gluon kernel of ``cfg``: chunked tiles sized to the expert's rows, or fixed BT-row tiles."""
+    if not cfg.chunked:
+        return _fp4_grouped_mm_sm90_rs
+    from .fp4_grouped_gemm_sm90_rs_chunked import _fp4_grouped_mm_sm90_rs_chunked  # (it imports this module's decode)
+
+    return _fp4_grouped_mm_sm90_rs_chunked
 
 
 def constexprs(cfg: RsConfig, e: int) -> dict:
     """The kernel's constexpr arguments (plain values: launch hooks serialise them to JSON)."""
     from ._grouped_tiles import e_pow2
 
-    return dict(BT=cfg.BT, BW=cfg.BW, NS=cfg.NS, E_POW2=e_pow2(e, False), WG=cfg.WG, DECODE_ASM=_DECODE_ASM,
-                LO=CODE_LO, HI=CODE_HI, LOADER_REGS=cfg.loader_regs, OVERLAP=cfg.overlap)
+    consts = dict(BT=cfg.BT, BW=cfg.BW, NS=cfg.NS, E_POW2=e_pow2(e, False), WG=cfg.WG, DECODE_ASM=_DECODE_ASM,
+                  LO=CODE_LO, HI=CODE_HI, LOADER_REGS=cfg.loader_regs, OVERLAP=cfg.overlap)
+    return dict(consts, AHEAD=cfg.ahead) if cfg.chunked else consts
 
 
 def launch_sm90_rs(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor, offs: torch.Tensor,
@@ -346,10 +418,11 @@ def launch_sm90_rs(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tenso
     cfg.check()
     x_desc, w_desc = descriptors(x, w_packed, cfg)
     progs = launch_grid(x, e, n, cfg.BT, cfg.BW, cfg.progs_per_sm)
-    _fp4_grouped_mm_sm90_rs[(progs,)](
+    kernel_for(cfg)[(progs,)](
         x_desc, w_desc, w_scale.view(torch.uint8), offs, out, r, n, e, k, progs, out.stride(0),
         **constexprs(cfg, e), num_warps=4 * cfg.WG, maxnreg=cfg.maxnreg)
 
 
-__all__ = ["CODE_HI", "CODE_LO", "CODE_NAN", "EP1", "EP4", "RsConfig", "TABLES", "can_run", "constexprs",
-           "default_config", "descriptors", "launch_sm90_rs", "packed_layouts"]
+__all__ = ["CODE_HI", "CODE_LO", "CODE_NAN", "EP1", "EP1_CHUNKED", "EP1_FIXED", "EP4", "EP4_CHUNKED", "EP4_FIXED",
+           "RsConfig", "TABLES", "can_run", "constexprs", "default_config", "descriptors", "kernel_for",
+           "launch_sm90_rs", "packed_layouts"]

@@ -118,23 +118,23 @@ def test_packed_layout_gives_each_thread_its_fragment_bytes():
 
 
 def test_configs_are_checked_clearly():
-    rs.EP4.check()
-    rs.EP1.check()
+    rs.EP4_FIXED.check()
+    rs.EP1_FIXED.check()
     with pytest.raises(ValueError, match="exceed the 65,536 registers"):
-        dataclasses.replace(rs.EP4, maxnreg=184).check()
+        dataclasses.replace(rs.EP4_FIXED, maxnreg=184).check()
     with pytest.raises(ValueError, match="shared memory"):
-        dataclasses.replace(rs.EP4, NS=12).check()
+        dataclasses.replace(rs.EP4_FIXED, NS=12).check()
     with pytest.raises(ValueError, match="BT must be"):
-        dataclasses.replace(rs.EP4, BT=96).check()
+        dataclasses.replace(rs.EP4_FIXED, BT=96).check()
 
 
 def test_default_config_by_rows_per_expert():
-    assert rs.default_config(256).BT == 128 and rs.default_config(64).BT == 64
+    assert rs.default_config(256) == rs.EP4 and rs.default_config(64) == rs.EP1
 
 
 # ---- compiles for sm_90a on the CPU (Triton's compiler and ptxas need no GPU) -----------------------------------
 @pytest.mark.skipif(not hopper.gluon_supported(), reason="Gluon API of a tested Triton version (3.6) not installed")
-@pytest.mark.parametrize("cfg", [rs.EP4, rs.EP1], ids=["EP4", "EP1"])
+@pytest.mark.parametrize("cfg", [rs.EP4_FIXED, rs.EP1_FIXED], ids=["EP4", "EP1"])
 def test_kernel_compiles_for_sm90a_with_register_operand_wgmma(cfg):
     pytest.importorskip("triton.backends.nvidia.compiler")
     e, n, k, r = 4, 512, 512, 512
@@ -185,7 +185,8 @@ GPU_CASES = {  # experts, N, K, rows per expert, rows past offs[-1]
 
 
 @gpu
-@pytest.mark.parametrize("cfg", [rs.EP4, rs.EP1], ids=["EP4", "EP1"])
+@pytest.mark.parametrize("cfg", [rs.EP4_FIXED, rs.EP1_FIXED, rs.EP4_CHUNKED, rs.EP1_CHUNKED],
+                         ids=["EP4", "EP1", "EP4_chunked", "EP1_chunked"])
 @pytest.mark.parametrize("case", list(GPU_CASES))
 def test_gpu_rs_matches_fp64_and_repeats_bitwise(case, cfg):
     _gpu_ready()
@@ -223,4 +224,4 @@ def test_constexpr_arguments_are_plain_values():
     """Launch hooks (the compile pool's, round 15) serialise a kernel's arguments to JSON: no layout objects."""
     import json
 
-    json.dumps(rs.constexprs(rs.EP4, 96))
+    json.dumps(rs.constexprs(rs.EP4_FIXED, 96))
