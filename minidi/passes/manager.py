@@ -9,10 +9,10 @@ Graph level: the passes rewrite the **Dynamo FX graph** (torch-level calls: one 
 backend (Inductor on the GPU, ``aot_eager`` in CPU tests). Why this level, and not Inductor's post-grad aten graph:
 see ``docs/passes.md``.
 
-Pass order (each pass sees the graph the previous one left): C moe_combine, E gate_tf32x3, D fp4_grouped_mm, A
-sparse_attention, B indexer_topk, F hc_mix, J hc_mix_fused, K hc_sinkhorn, G hc_expand, H moe_activation, I
-moe_row_gather, L fp8_experts, M indexer_candidates, N fp8_linear, R shared_fq8, O head_logits, P row_topk, Q
-expert_order, S compressor_gemm. The passes touch disjoint subgraphs (B's top-k output feeds A's ``comp_idx``, and both read only the
+Pass order (each pass sees the graph the previous one left): C moe_combine, E gate_tf32x3, S compressor_gemm, D
+fp4_grouped_mm, A sparse_attention, B indexer_topk, F hc_mix, J hc_mix_fused, K hc_sinkhorn, G hc_expand, H
+moe_activation, I moe_row_gather, L fp8_experts, M indexer_candidates, N fp8_linear, R shared_fq8, O head_logits, P
+row_topk, Q expert_order. The passes touch disjoint subgraphs (B's top-k output feeds A's ``comp_idx``, and both read only the
 other's *result*); H and I read the GEMMs D leaves (either form), and J takes F's projection in either form (F's op or
 the naive GEMM), so apart from fp32 models (where H and I need D first) the order changes no match; it is fixed so that
 logs and graphs are stable. L rewrites D's and H's ops (and I's or the naive gather), so it comes after them and
@@ -72,10 +72,10 @@ except ImportError:  # pragma: no cover
 
 log = logging.getLogger("minidi.passes")
 
-REWRITES: tuple[type[Rewrite], ...] = (MoECombine, GateTF32x3, FP4GroupedMM, SparseAttention, IndexerTopK,
-                                        HCMixTF32x3, HCMixFused, HCSinkhorn, HCExpand, MoEActivation,
+REWRITES: tuple[type[Rewrite], ...] = (MoECombine, GateTF32x3, CompressorGemm, FP4GroupedMM, SparseAttention,
+                                        IndexerTopK, HCMixTF32x3, HCMixFused, HCSinkhorn, HCExpand, MoEActivation,
                                         MoERowGather, FP8Experts, IndexerCandidates, FP8LinearOp, SharedFq8,
-                                        HeadLogits, RowTopK, ExpertOrder, CompressorGemm)
+                                        HeadLogits, RowTopK, ExpertOrder)
 BY_KEY: dict[str, type[Rewrite]] = {r.key: r for r in REWRITES}
 BY_NAME: dict[str, type[Rewrite]] = {r.name: r for r in REWRITES}
 
