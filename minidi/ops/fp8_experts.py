@@ -16,8 +16,8 @@ Down (w2; pass H's ``moe_activation`` with fake quant)::
 The GEMM takes one scale per 32 along K; an fq8 block of 64 or 128 repeats its scale (exact). Rows past offs[-1] are
 never written, as in the ops these replace.
 
-On sm_90 the same exact products go to bf16 tensor cores instead where that measured faster (``bf16_route``: up to
-192 local experts; ``MINIDI_EXPERTS_ROUTE=bf16`` / ``fp8`` forces either): the fq8 values are bf16 numbers, and
+On sm_90 the same exact products go to bf16 tensor cores instead, measured faster (``bf16_route``;
+``MINIDI_EXPERTS_ROUTE=bf16`` / ``fp8`` forces either): the fq8 values are bf16 numbers, and
 ``fp4_grouped_mm``'s register-operand kernel (``fp4_grouped_gemm_sm90_rs``) needs no per-32 promotion. Up:
 ``gather_rows_fq8`` (each local row read once and written as its fq8 values in bf16: one kernel where fq8_split, an
 elementwise q * s and the gather were three); down: pass H's ``moe_activation`` (the fq8 values in bf16).
@@ -39,19 +39,19 @@ from .moe_gather import gather_rows, gather_rows_fq8
 
 GEMM_BLOCK = 32  # the FP8 GEMM's activation scale block along K (= the FP4 weights' block)
 ROUTE_ENV = "MINIDI_EXPERTS_ROUTE"  # "auto" (default) | "bf16" | "fp8": which kernel runs the experts on sm_90
-# "auto" takes the bf16 kernel for at most this many local experts: measured faster at 96 (EP4: 1.02-1.18x the FP8
-# kernel), not at 384 (EP1, 64 rows an expert: 0.88-1.05x) (round 18, docs/ops/fp4_grouped_gemm.md)
-BF16_ROUTE_MAX_EXPERTS = 192
+# "auto" takes the bf16 kernel wherever it runs: with its chunked tiles (round 25, H100, docs/ops/fp4_grouped_gemm.md)
+# 1.23-1.45x the FP8 kernel at EP4 (96 experts) and 1.04-1.27x at EP1 (384: until round 24 the FP8 kernel was as fast
+# or faster there, and "auto" kept it above 192 local experts)
 
 
 def bf16_route(x: torch.Tensor, w_packed: torch.Tensor, out_dtype: torch.dtype) -> bool:
     """Whether the experts' GEMMs take ``fp4_grouped_mm`` on the fq8 values in bf16: bf16 activations and output on
-    an sm_90 device whose op runs the register-operand kernel, and (route "auto") at most ``BF16_ROUTE_MAX_EXPERTS``
-    local experts; ``MINIDI_EXPERTS_ROUTE=bf16`` / ``fp8`` forces either."""
+    an sm_90 device whose op runs the register-operand kernel (route "auto"); ``MINIDI_EXPERTS_ROUTE=bf16`` / ``fp8``
+    forces either."""
     route = os.environ.get(ROUTE_ENV, "auto")
     if route not in ("auto", "bf16", "fp8"):
         raise ValueError(f"{ROUTE_ENV}={route!r}: expected 'auto', 'bf16' or 'fp8'")
-    if route == "fp8" or (route == "auto" and w_packed.shape[0] > BF16_ROUTE_MAX_EXPERTS):
+    if route == "fp8":
         return False
     return x.dtype == out_dtype == torch.bfloat16 and hopper.hopper_kernel() == "rs" and sm90_rs.can_run(x, w_packed)
 
