@@ -20,7 +20,8 @@ no host sync) returns at once. An index outside [0, T) gives a row of NaN (a lou
 bounds); the ref backend and CPU tensors raise instead.
 
 Bytes at V4.1-Flash EP4 (R 98,304 rows, 1/4 local, D 5,120 bf16): the local rows' 252 MB read and 252 MB written;
-the whole-R gather moves four times that.
+the whole-R gather moves four times that. ``gather_rows_fq8`` moves the same bytes: 0.23 ms a call in round 25's step
+on an H100 (~2.2 TB/s, 73 % of the measured copy peak), where fq8_split, q * s and the gather took 0.34 ms.
 
 Legend: T token rows of x, R gathered rows, D columns, E local experts, BR/BD tile sizes.
 """
