@@ -1,7 +1,8 @@
 """The chunked-tile kernel of ``fp4_grouped_gemm_sm90_rs`` (``RsConfig.chunked``, the sm_90 default since round 25):
 tiles sized to the expert's rows, up to BT activation rows of one expert in 64-row chunks. The decode, its tables and
-the packed-tile layouts are the fixed-tile kernel's (imported from there); what and why: that module's docstring,
-``docs/ops/fp4_grouped_gemm.md`` (round 25). Configs, descriptors and the launch: ``fp4_grouped_gemm_sm90_rs``.
+the packed-tile layouts are the fixed-tile kernel's (``_fp4_rs_decode``); what and why: ``fp4_grouped_gemm_sm90_rs``'s
+docstring, ``docs/ops/fp4_grouped_gemm.md`` (round 25). Configs, descriptors and the launch:
+``fp4_grouped_gemm_sm90_rs``.
 
 Legend: as ``fp4_grouped_gemm_sm90_rs``; CH = 64 rows a chunk, NA / NB the activation rows of a tile's two
 accumulators.
@@ -18,7 +19,7 @@ if HAVE_GLUON:
                                                                   warpgroup_mma_init, warpgroup_mma_wait)
 
     from .fp4_grouped_gemm_hopper import _clamped_end, _m_tile_count, _walk
-    from .fp4_grouped_gemm_sm90_rs import _P2, _P3, _decode_words, _operand, _scales
+    from ._fp4_rs_decode import _P2, _P3, _decode_words, _operand, _scales
 
     # Why: the decode costs per tile, whatever the tile's rows. With fixed 128-row tiles an expert of 257 rows takes 3
     # tiles (the third nearly empty): the step's ragged loads (cv ~0.15) cost ~2.5 decoded tiles per 256-row expert

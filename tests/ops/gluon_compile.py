@@ -48,26 +48,37 @@ def sass(kern: Any) -> str:
                               check=True).stdout
 
 
-def inflight_a_writes(sass_text: str) -> tuple[int, list[str]]:
-    """Register-operand wgmma hazard check on SASS: for each group of ``HGMMA`` ending in ``gsb0``, the
-    instructions that write one of its A registers before the next ``WARPGROUP.DEPBAR`` (following backward branches,
-    i.e. into the next loop iteration). The wgmma reads those registers until it completes; ptxas 12.8-13.4 may
-    allocate other values over them (round 18). Returns (number of groups, offending instructions)."""
+def _instructions(sass_text: str) -> tuple[list[int], list[str]]:
+    """(addresses, instruction texts) of a SASS listing."""
     import re
 
-    text, addr = [], []
+    addr, text = [], []
     for line in sass_text.splitlines():
         m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s*(.*?)\s*;", line)
         if m:
             addr.append(int(m.group(1), 16))
             text.append(m.group(2))
+    return addr, text
+
+
+def _dest(ins: str) -> str | None:
+    """The destination register of an instruction (its first operand; a predicate guard skipped)."""
+    t = ins.split()
+    t = t[1:] if t and t[0].startswith("@") else t
+    return t[1].rstrip(",") if len(t) > 1 else None
+
+
+def inflight_a_writes(sass_text: str, count_waits: bool = False) -> tuple[int, list[str]]:
+    """Register-operand wgmma hazard check on SASS: for each group of ``HGMMA`` ending in ``gsb0``, the
+    instructions that write one of its A registers while it may still run (following backward branches, i.e. into
+    the next loop iteration). The wgmma reads those registers until it completes; ptxas 12.8-13.4 may allocate other
+    values over them (round 18). A group is done at the next ``WARPGROUP.DEPBAR``; with ``count_waits`` (kernels that
+    wait with groups outstanding) only at a ``WARPGROUP.DEPBAR.LE gsb0, N`` reached after N later groups were
+    committed on the path. Returns (number of groups, offending instructions)."""
+    import re
+
+    addr, text = _instructions(sass_text)
     where = {a: i for i, a in enumerate(addr)}
-
-    def dest(ins: str) -> str | None:
-        t = ins.split()
-        t = t[1:] if t and t[0].startswith("@") else t
-        return t[1].rstrip(",") if len(t) > 1 else None
-
     groups, regs = [], set()
     for i, ins in enumerate(text):
         m = re.match(r"HGMMA\.\S+ R\d+, R(\d+),", ins)
@@ -76,12 +87,20 @@ def inflight_a_writes(sass_text: str) -> tuple[int, list[str]]:
             if "gsb0" in ins:
                 groups.append((i, regs))
                 regs = set()
+
+    def done(ins: str, later: int) -> bool:
+        if not count_waits:
+            return "DEPBAR" in ins
+        m = re.match(r"WARPGROUP\.DEPBAR\.LE gsb0, (0x[0-9a-f]+)", ins)
+        return bool(m) and later >= int(m.group(1), 16)  # only groups newer than ours may still run
+
     bad = []
     for end, regs in groups:
-        i, seen = end + 1, set()
-        while i < len(text) and i not in seen and "DEPBAR" not in text[i]:
-            seen.add(i)
-            if dest(text[i]) in regs:
+        i, later, seen = end + 1, 0, set()
+        while i < len(text) and (i, later) not in seen and not done(text[i], later):
+            seen.add((i, later))
+            later += bool(count_waits and re.match(r"HGMMA\.\S+ .*gsb0", text[i]))
+            if _dest(text[i]) in regs:
                 bad.append(text[i])
             m = re.match(r"(@!?U?P\w+ )?BRA (0x[0-9a-f]+)", text[i])
             if m and int(m.group(2), 16) in where and (not m.group(1) or int(m.group(2), 16) < addr[i]):

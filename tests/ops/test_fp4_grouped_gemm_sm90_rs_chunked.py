@@ -4,12 +4,12 @@ partition runs a K loop specialised to the chunk count, and with ``ahead`` one M
 while the next stage decodes.
 
 CPU: configs are checked clearly and give the MMA warps the registers the compile needs; (Triton 3.6 only) the kernel
-compiles for sm_90a with an asynchronous wgmma group per chunk count (no serialisation), no local-memory spills, and
-no write to the A registers of a group still in flight, counting the groups a wait(N) leaves running (a stricter walk
-than ``gluon_compile.inflight_a_writes``, itself checked on a hand-written hazard). GPU (``gpu`` marker): every chunk
-count and tile boundary (0, 1, 63, 64, 65, 255, 256, 257, 300, 511, 513 rows per expert), empty experts, N not a
-multiple of the tile, rows past offs[-1] never written (poisoned), repeated launches bitwise equal, against the fp64
-product of the dequantised weights; the V4.1 EP4 shape on balanced loads.
+compiles for sm_90a with an asynchronous wgmma group per chunk count (no serialisation), no local-memory spills, and no
+write to the A registers of a group still in flight, counting the groups a wait(N) leaves running
+(``gluon_compile.inflight_a_writes`` with ``count_waits``, checked here on hand-written hazards). GPU (``gpu`` marker):
+every chunk count and tile boundary (0, 1, 63, 64, 65, 255, 256, 257, 300, 511, 513 rows per expert), empty experts, N
+not a multiple of the tile, rows past offs[-1] never written (poisoned), repeated launches bitwise equal, against the
+fp64 product of the dequantised weights; the V4.1 EP4 shape on balanced loads.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch
 from minidi.ops import fp4_grouped_gemm_hopper as hopper
 from minidi.ops import fp4_grouped_gemm_sm90_rs as rs
 
-from .gluon_compile import compile_sm90, sass
+from .gluon_compile import compile_sm90, inflight_a_writes, sass
 from .test_fp4_grouped_gemm_sm90 import _assert_close, _gpu_ready, _reference
 from .test_fp8_grouped_gemm import POISON, make
 
@@ -33,57 +33,7 @@ CHUNKED = {"EP4": rs.EP4_CHUNKED, "EP1": rs.EP1_CHUNKED, "BT64": dataclasses.rep
            "EP4_S5": dataclasses.replace(rs.EP4_CHUNKED, NS=5)}
 
 
-# ---- the SASS walk -------------------------------------------------------------------------------------------------
-def _instructions(sass_text: str) -> tuple[list[int], list[str]]:
-    addr, text = [], []
-    for line in sass_text.splitlines():
-        m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s*(.*?)\s*;", line)
-        if m:
-            addr.append(int(m.group(1), 16))
-            text.append(m.group(2))
-    return addr, text
-
-
-def _dest(ins: str) -> str | None:
-    t = ins.split()
-    t = t[1:] if t and t[0].startswith("@") else t
-    return t[1].rstrip(",") if len(t) > 1 else None
-
-
-def inflight_a_writes_counting_waits(sass_text: str) -> tuple[int, list[str]]:
-    """``gluon_compile.inflight_a_writes`` for kernels that wait with groups outstanding: a group of ``HGMMA`` (ending
-    in ``gsb0``) stays in flight past ``WARPGROUP.DEPBAR.LE gsb0, N`` until N later groups were committed on the path
-    (following backward branches into the next loop iteration). Returns (groups, instructions that write one of an
-    in-flight group's A registers)."""
-    addr, text = _instructions(sass_text)
-    where = {a: i for i, a in enumerate(addr)}
-    groups, regs = [], set()
-    for i, ins in enumerate(text):
-        m = re.match(r"HGMMA\.\S+ R\d+, R(\d+),", ins)
-        if m:
-            regs |= {f"R{int(m.group(1)) + j}" for j in range(4)}
-            if "gsb0" in ins:
-                groups.append((i, regs))
-                regs = set()
-    bad = []
-    for end, regs in groups:
-        i, later, seen = end + 1, 0, set()
-        while i < len(text) and (i, later) not in seen:
-            seen.add((i, later))
-            m = re.match(r"WARPGROUP\.DEPBAR\.LE gsb0, (0x[0-9a-f]+)", text[i])
-            if m and later >= int(m.group(1), 16):
-                break  # this wait leaves only groups newer than ours running
-            later += bool(re.match(r"HGMMA\.\S+ .*gsb0", text[i]))
-            if _dest(text[i]) in regs:
-                bad.append(text[i])
-            m = re.match(r"(@!?U?P\w+ )?BRA (0x[0-9a-f]+)", text[i])
-            if m and int(m.group(2), 16) in where and (not m.group(1) or int(m.group(2), 16) < addr[i]):
-                i = where[int(m.group(2), 16)]
-            else:
-                i += 1
-    return len(groups), bad
-
-
+# ---- the SASS walk (``gluon_compile.inflight_a_writes`` with ``count_waits``) ------------------------------------
 SASS_AHEAD = """
         /*0100*/                   HGMMA.64x128x16.F32.BF16 R24, R88, gdesc[UR12], R24, gsb0 ;
         /*0110*/                   WARPGROUP.DEPBAR.LE gsb0, 0x1 ;
@@ -97,11 +47,11 @@ SASS_AHEAD = """
 def test_wait_counting_walk_finds_a_clobbered_operand():
     """A wait(1) right after a group leaves it running: a write to its A registers there is a hazard; after the next
     group's wait(1) it is not (the first group is done)."""
-    assert inflight_a_writes_counting_waits(SASS_AHEAD) == (2, [])
+    assert inflight_a_writes(SASS_AHEAD, count_waits=True) == (2, [])
     clobber = SASS_AHEAD.replace("IADD3 R5,", "IADD3 R90,")
-    assert inflight_a_writes_counting_waits(clobber) == (2, ["IADD3 R90, R6, R7, RZ"])
+    assert inflight_a_writes(clobber, count_waits=True) == (2, ["IADD3 R90, R6, R7, RZ"])
     second = SASS_AHEAD.replace("IADD3 R89,", "IADD3 R101,")  # the second group is still running there
-    assert inflight_a_writes_counting_waits(second)[1] == ["IADD3 R101, R6, R7, RZ"]
+    assert inflight_a_writes(second, count_waits=True)[1] == ["IADD3 R101, R6, R7, RZ"]
 
 
 # ---- configs -------------------------------------------------------------------------------------------------------
@@ -148,7 +98,7 @@ def test_chunked_kernel_compiles_async_without_spills_or_hazards(name):
     assert shapes == {str(n) for n in (64, 128, 256) if n <= cfg.BT}  # A from registers ("{"), every chunk count
     assert re.search(rf"setmaxnreg\.\w+\.sync\.aligned\.u32\s+{cfg.mma_regs()};", ptx)  # the MMA warps' budget
     assert "LDL" not in code and "STL" not in code  # no local memory: no spills
-    groups, bad = inflight_a_writes_counting_waits(code)
+    groups, bad = inflight_a_writes(code, count_waits=True)
     assert groups == _groups_per_k_loop(cfg.BT)  # (ptxas serialising the wgmmas makes one group per instruction)
     assert not bad, bad[:5]
     assert kern.metadata.shared <= cfg.smem_bytes() <= rs.SMEM_BYTES  # (the config's bound holds)
