@@ -76,13 +76,14 @@ def fq8_launch(x: torch.Tensor, block: int) -> torch.Tensor:
     return y
 
 
-def _check(x: torch.Tensor, block: int) -> None:
+def check(x: torch.Tensor, block: int, op: str = "fq8") -> None:
+    """fq8's input rules (dtype, block size, K a multiple of it), errors named after ``op`` (a fused user's name)."""
     if x.dim() < 1 or x.dtype not in X_DTYPES:
-        raise ValueError(f"fq8: x must be [..., K] with dtype in {X_DTYPES}, got {tuple(x.shape)} {x.dtype}")
+        raise ValueError(f"{op}: x must be [..., K] with dtype in {X_DTYPES}, got {tuple(x.shape)} {x.dtype}")
     if block not in BLOCKS:
-        raise ValueError(f"fq8: block must be one of {BLOCKS}, got {block}")
+        raise ValueError(f"{op}: block must be one of {BLOCKS}, got {block}")
     if x.shape[-1] % block:
-        raise ValueError(f"fq8: the last dim {x.shape[-1]} is not a multiple of block {block} (blocks along K)")
+        raise ValueError(f"{op}: the last dim {x.shape[-1]} is not a multiple of block {block} (blocks along K)")
 
 
 # ---- custom ops ----------------------------------------------------------------------------------------------------
@@ -112,7 +113,7 @@ def fq8(x: torch.Tensor, block: int, backend: str = "auto") -> torch.Tensor:
     """x [..., K] bf16 | fp32, block 32 | 128 dividing K -> [..., K] contiguous in x's dtype, equal bit for bit to
     the model's ``quant.fq8(x, block)`` on finite blocks (see the module doc). ``backend``: "auto" | "triton" |
     "ref"."""
-    _check(x, block)
+    check(x, block)
     if resolve_backend(backend, "fq8", x) == "ref":
         return _fq8_ref_op(x, block)
     return _fq8_op(x, block)

@@ -164,9 +164,7 @@ def gather_rows_fq8(x: torch.Tensor, idx: torch.Tensor, offs: torch.Tensor, bloc
     of the gathered rows: the model's fq8 on finite blocks, all NaN for a block holding a NaN or an infinity (as is
     a row of an index out of range, from the kernel). ``backend`` "ref": plain torch on every row."""
     _check(x, idx, offs)
-    if x.dtype not in fq8_op.X_DTYPES or block not in fq8_op.BLOCKS or x.shape[1] % block:
-        raise ValueError(f"gather_rows_fq8: x must be [T, D] {' | '.join(map(str, fq8_op.X_DTYPES))} with D a "
-                         f"multiple of block in {fq8_op.BLOCKS}, got {tuple(x.shape)} {x.dtype}, block {block!r}")
+    fq8_op.check(x, block, "gather_rows_fq8")
     if resolve_backend(backend, "gather_rows_fq8", x, idx, offs) == "ref":
         return fq8_op.fq8_ref(gather_rows_ref(x, idx, offs), block)
     return _gather_rows_fq8_op(x, idx, offs, block)
