@@ -30,11 +30,13 @@ def operands(t=7, d=96, w=40, x_dtype=torch.bfloat16, seed=0):
 @pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32])
 def test_both_gemms_taken_numerics_at_fp32_level(x_dtype):
     args = operands(x_dtype=x_dtype)
-    out, mgr, _, after = run(Fn(lambda *a: compressor_kg(*a).softmax(-1)), args, "S", 2, strict=True)
+    out, mgr, _, after = run(Fn(compressor_kg), args, "S", 2, strict=True)
     assert mgr.counts == {"S": 2}
     x, wkv, wgate = (a.double() for a in args)
-    want = torch.cat([x @ wkv.t(), x @ wgate.t()], dim=-1).softmax(-1)
-    assert (out.double() - want).abs().max().item() <= 1e-6 * want.abs().max().item()
+    w = torch.cat([wkv, wgate])
+    # fp32 level, element by element: |error| <= 2^-20 sum |x| |w| (measured over 200 seeds, default and
+    # ATEN_CPU_CAPABILITY=avx2: at most 1.8e-7 of it, fp32 torch.matmul 2.7e-7; a bf16 rounding would be ~2^-9)
+    assert ((out.double() - x @ w.t()).abs() <= 2**-20 * (x.abs() @ w.abs().t())).all()
     assert "float" not in graph_text(after)  # neither the fp32 copies of the weights nor of x remain
 
 
