@@ -120,19 +120,15 @@ if HAVE_GLUON:
         return x
 
     @gluon.jit
-    def _store_half(out_ptr, sink_ptr, cos_ptr, sin_ptr, acc, l_i, m_i, t, hb, H, HID: gl.constexpr,
-                    D: gl.constexpr, ROPE_OUT: gl.constexpr, R2: gl.constexpr):
-        """The epilogue of the consumer owning D half HID: acc [64, D/2] / (l + exp(sink - m)), rounded to bf16,
-        the output's rope pairs rotated back (half 1), stored."""
+    def _out_half(acc, l_i, m_i, sink, cos_ptr, sin_ptr, t, HID: gl.constexpr, D: gl.constexpr,
+                  ROPE_OUT: gl.constexpr, R2: gl.constexpr):
+        """The output values of the consumer owning D half HID, fp32 in acc's layout: acc [64, D/2] / (l + exp(sink -
+        m)); half 1 with ROPE_OUT: rounded to bf16 (the model's rounding point), its rope pairs rotated back."""
         HALF: gl.constexpr = D // 2
         M: gl.constexpr = 64
         o_l: gl.constexpr = acc.type.layout
-        offs_h = hb * M + gl.arange(0, M, layout=m_i.type.layout)
-        sink = gl.load(sink_ptr + offs_h)
         denom = l_i + gl.exp(sink - m_i)  # no real key: exp(+inf), out = 0
         out = acc / gl.convert_layout(denom, gl.SliceLayout(1, o_l))[:, None]
-        o_rows = (t * H + hb * M + gl.arange(0, M, layout=gl.SliceLayout(1, o_l))).to(gl.int64) * D
-        o_cols = HID * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, o_l))
         if ROPE_OUT:
             if HID == 1:
                 o = out.to(gl.bfloat16).to(gl.float32)  # the model's rounding point, then the rotation
@@ -145,6 +141,21 @@ if HAVE_GLUON:
                 y0 = gl.where(rot[None, :], _mul_rn(x0, c) - _mul_rn(x1, sn), x0)
                 y1 = gl.where(rot[None, :], _mul_rn(x0, sn) + _mul_rn(x1, c), x1)
                 out = gl.convert_layout(gl.reshape(gl.join(y0, y1), [M, HALF]), o_l)
+        return out
+
+    @gluon.jit
+    def _store_half(out_ptr, sink_ptr, cos_ptr, sin_ptr, acc, l_i, m_i, t, hb, H, HID: gl.constexpr,
+                    D: gl.constexpr, ROPE_OUT: gl.constexpr, R2: gl.constexpr):
+        """The epilogue of the consumer owning D half HID: ``_out_half``'s values stored as bf16 from the
+        accumulator's layout."""
+        HALF: gl.constexpr = D // 2
+        M: gl.constexpr = 64
+        o_l: gl.constexpr = acc.type.layout
+        offs_h = hb * M + gl.arange(0, M, layout=m_i.type.layout)
+        sink = gl.load(sink_ptr + offs_h)
+        out = _out_half(acc, l_i, m_i, sink, cos_ptr, sin_ptr, t, HID, D, ROPE_OUT, R2)
+        o_rows = (t * H + hb * M + gl.arange(0, M, layout=gl.SliceLayout(1, o_l))).to(gl.int64) * D
+        o_cols = HID * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, o_l))
         gl.store(out_ptr + o_rows[:, None] + o_cols[None, :], out.to(gl.bfloat16))
 
     @gluon.jit

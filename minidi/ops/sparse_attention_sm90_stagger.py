@@ -7,6 +7,8 @@ Q K^T runs; consumer 1 takes the pair max, and consumer 0 then rescales and send
 Two key stages, each D half with its own ready / free barrier (gathered in the order the consumers free them); one
 CTA per SM looping over the (token, head block) items; the producer copies each item's Q as soon as the previous
 item's last Q K^T is done (q's rotation then applied in place by consumer 1). See docs/ops/sparse_attention.md.
+The output goes through shared memory and bulk tensor stores (``OTMA``, ``_store_half_tma``; rounds 25-26: 0.683
+against 0.784 ms at the bench shape on an H100), its last stores draining while the next item starts.
 
 Semantics are ``sparse_attention_sm90_split``'s rule with a 128-key softmax block, except that D half 0 rounds
 block 2 j's P at the running max after that block and rescales its fp32 accumulator at the pair max (the online
@@ -26,16 +28,19 @@ from minidi.ops.sparse_attention_sm90_split import C_REGS, P_REGS
 if ws.HAVE_GLUON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_async_shared, mbarrier,
+    from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_async_shared, mbarrier, tma,
                                                                   warpgroup_mma, warpgroup_mma_wait)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from minidi.ops.sparse_attention_sm90 import _add, _max, _mul_rn, _q_half, _store_half
+    from minidi.ops.sparse_attention_sm90 import _add, _max, _mul_rn, _out_half, _q_half, _store_half
 
 PW, MAXNREG = ws.PW, ws.MAXNREG
 PERSISTENT = True  # one CTA per SM looping over (token, head block) items
 QASYNC = True  # the producer copies each item's Q as soon as the previous item's Q K^T are done
 BK = 64  # keys per block (a pair is 128 keys)
 STAGES = {64: 2, 32: 4}  # stages per block size: Q 64 KB + 2 x 64 KB (+ 2 x 8 KB P) or 4 x 32 KB (+ 2 x 4 KB)
+OTMA = True  # the output through shared memory (4 [64, 64] chunks per consumer) and bulk tensor stores (round 26)
+OC = 64  # output columns per bulk-store chunk (128 B rows: the 128-byte swizzle of P's buffers)
 
 
 if ws.HAVE_GLUON:
@@ -174,13 +179,14 @@ if ws.HAVE_GLUON:
     @gluon.jit
     def _consumer0(q_smem, k_smem, p_smem, m0_smem, m1_smem, k_ready, k_free, m_ready, p_ready, q_bar, code_row,
                    n_keys, n_pairs, ib, mb, pb, scale, acc, m_i, l_i, BK: gl.constexpr, NS: gl.constexpr,
-                   s_l: gl.constexpr, p_l: gl.constexpr, QASYNC: gl.constexpr):
+                   s_l: gl.constexpr, p_l: gl.constexpr, QASYNC: gl.constexpr, OTMA: gl.constexpr):
         """Consumer 0's loop over one item's pairs (ib / mb / pb: the CTA's earlier blocks / max phases / P phases);
         the next pair's Q K^T is issued behind this pair's second P V, its half 0 before block 2 j + 1's half 0 is
         freed."""
         code = _codes(code_row, 0, n_keys, BK, s_l)
         tok_s = _qk_half(q_smem, k_smem, k_ready, ib, 0, gl.zeros([64, BK], gl.float32, s_l), False, NS)
         sp = warpgroup_mma_wait(0, deps=(_qk_half(q_smem, k_smem, k_ready, ib, 1, tok_s, True, NS),))
+        _out_drained(OTMA)  # the previous item's output left this consumer's P buffer (long done by now)
         for j in range(n_pairs - 1):
             i0 = ib + 2 * j
             tok, m_i, l_i = _wg0_pair(sp, code, i0, mb + j, pb + j, m_i, l_i, acc, scale, k_smem, p_smem, m0_smem,
@@ -203,7 +209,7 @@ if ws.HAVE_GLUON:
     @gluon.jit
     def _consumer1(q_smem, k_smem, p_smem, m0_smem, m1_smem, k_ready, k_free, m_ready, p_ready, q_bar, code_row,
                    n_keys, n_pairs, ib, mb, pb, scale, acc, m_i, l_i, BK: gl.constexpr, NS: gl.constexpr,
-                   s_l: gl.constexpr, p_l: gl.constexpr, QASYNC: gl.constexpr):
+                   s_l: gl.constexpr, p_l: gl.constexpr, QASYNC: gl.constexpr, OTMA: gl.constexpr):
         """Consumer 1's loop over one item's pairs: its block's Q K^T (D half 1 first), the pair max from consumer
         0's, softmax, its P V, then consumer 0's block's P V."""
         o_l: gl.constexpr = acc.type.layout
@@ -229,6 +235,8 @@ if ws.HAVE_GLUON:
             pb16 = e.to(gl.bfloat16)  # the bf16 probability rounding before PV
             acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
             tok = warpgroup_mma(gl.convert_layout(pb16, p_l), k_smem.index(2 * s1 + 1), acc, is_async=True)
+            if j == 0:
+                _out_drained(OTMA)  # the previous item's output left this consumer's P buffer
             p_smem.index(1).store(pb16)
             fence_async_shared()
             _arrive(p_ready.index(1))
@@ -242,11 +250,57 @@ if ws.HAVE_GLUON:
         return acc, m_i, l_i
 
     @gluon.jit
-    def _consumer_stagger(q_ptr, out_ptr, code_ptr, sink_ptr, cos_ptr, sin_ptr, q_smem, k_smem, p_smem, m_mine,
-                          m_other, m0_smem, m1_smem, k_ready, k_free, q_bar, m_ready, p_ready, H, n_keys, n_pairs,
-                          n_items, scale, HID: gl.constexpr, D: gl.constexpr, BK: gl.constexpr, NS: gl.constexpr,
-                          ROPE_Q: gl.constexpr, ROPE_OUT: gl.constexpr, R2: gl.constexpr, QASYNC: gl.constexpr):
-        """Consumer HID over this CTA's work items (item w: token w // (H / 64), head block w % (H / 64))."""
+    def _out_chunk(o_desc, buf, x, row, col, WAIT: gl.constexpr):
+        """One [64, OC] bf16 chunk of the output through ``buf`` to rows row.., columns col.. of out (a bulk tensor
+        store, not waited). WAIT: first wait until the copy engine has read the chunk before last (``buf``'s)."""
+        if WAIT:
+            tma.store_wait(1)
+            gl.thread_barrier()  # every warp sees the buffer free (the issuing thread waited)
+        buf.store(x)
+        fence_async_shared()  # generic-proxy stores that the copy engine (async proxy) reads
+        gl.thread_barrier()  # the whole chunk is written before one thread issues the copy
+        tma.async_copy_shared_to_global(o_desc, [row, col], buf)
+
+    @gluon.jit
+    def _store_half_tma(o_desc, o_smem, sink, cos_ptr, sin_ptr, acc, l_i, m_i, t, row, HID: gl.constexpr,
+                        D: gl.constexpr, ROPE_OUT: gl.constexpr, R2: gl.constexpr, OC: gl.constexpr):
+        """``_out_half``'s values (``_store_half``'s, so the same bits; the output's rotation applied in registers),
+        written through shared memory (``stmatrix``) and bulk tensor stores instead of ``_store_half``'s
+        64 4-byte stores per thread straight from the wgmma layout (each warp store: 8 rows x 16 bytes, half-filled
+        32-byte sectors), which keep the consumer issuing while no tensor-core work is queued. The half's 4 [64, OC]
+        chunks alternate between two buffers (``o_smem`` HID: this consumer's P buffer, free once both consumers'
+        last P V of the item is done; 2 + HID), the copy engine reading one while the next is written; the last two
+        stores drain while the next item starts (``_out_drained`` before this consumer's P buffer is written)."""
+        HALF: gl.constexpr = D // 2
+        M: gl.constexpr = 64
+        out = _out_half(acc, l_i, m_i, sink, cos_ptr, sin_ptr, t, HID, D, ROPE_OUT, R2)
+        # [64, HALF] -> 4 column chunks [64, OC] (register renames): column 2 OC c1 + OC c0 + x -> (c0, c1) split out
+        gl.static_assert(HALF == 4 * OC)
+        a, b = gl.split(gl.permute(gl.reshape(out.to(gl.bfloat16), [M, 2, 2, OC]), (0, 3, 1, 2)))  # c0 = 0, 1
+        x0, x2 = gl.split(a)  # chunks 0 and 2 (c1 = 0, 1)
+        x1, x3 = gl.split(b)
+        col = HID * HALF
+        _out_chunk(o_desc, o_smem.index(HID), x0, row, col, False)
+        _out_chunk(o_desc, o_smem.index(2 + HID), x1, row, col + OC, False)
+        _out_chunk(o_desc, o_smem.index(HID), x2, row, col + 2 * OC, True)
+        _out_chunk(o_desc, o_smem.index(2 + HID), x3, row, col + 3 * OC, True)
+
+    @gluon.jit
+    def _out_drained(OTMA: gl.constexpr):
+        """OTMA: this consumer's bulk stores of the previous item have read its buffers (before its P buffer is
+        written again)."""
+        if OTMA:
+            tma.store_wait(0)
+            gl.thread_barrier()
+
+    @gluon.jit
+    def _consumer_stagger(q_ptr, out_ptr, o_desc, code_ptr, sink_ptr, cos_ptr, sin_ptr, q_smem, k_smem, p_smem,
+                          m_mine, m_other, m0_smem, m1_smem, k_ready, k_free, q_bar, m_ready, p_ready, H, n_keys,
+                          n_pairs, n_items, scale, HID: gl.constexpr, D: gl.constexpr, BK: gl.constexpr,
+                          NS: gl.constexpr, ROPE_Q: gl.constexpr, ROPE_OUT: gl.constexpr, R2: gl.constexpr,
+                          QASYNC: gl.constexpr, OTMA: gl.constexpr, OC: gl.constexpr):
+        """Consumer HID over this CTA's work items (item w: token w // (H / 64), head block w % (H / 64): out's
+        rows 64 w .. 64 w + 63 of [T H, D])."""
         HALF: gl.constexpr = D // 2
         M: gl.constexpr = 64
         s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BK, 16])
@@ -278,6 +332,8 @@ if ws.HAVE_GLUON:
                 _arrive(q_bar.index(0))
                 mbarrier.wait(q_bar.index(0), it & 1)
             code_row = code_ptr + t * n_keys
+            if OTMA:  # issued now, used by the epilogue: its latency stays off the item's tail
+                sink = gl.load(sink_ptr + hb * M + gl.arange(0, M, layout=gl.SliceLayout(1, s_l)))
             m_i = gl.full([M], float("-inf"), gl.float32, gl.SliceLayout(1, s_l))
             l_i = gl.zeros([M], gl.float32, gl.SliceLayout(1, s_l))
             acc = gl.zeros([M, HALF], gl.float32, o_l)
@@ -287,24 +343,33 @@ if ws.HAVE_GLUON:
             if HID == 0:
                 acc, m_i, l_i = _consumer0(q_smem, k_smem, p_smem, m0_smem, m1_smem, k_ready, k_free, m_ready,
                                            p_ready, q_bar, code_row, n_keys, n_pairs, ib, mb, pb, scale, acc, m_i,
-                                           l_i, BK, NS, s_l, p_l, QASYNC)
+                                           l_i, BK, NS, s_l, p_l, QASYNC, OTMA)
             else:
                 acc, m_i, l_i = _consumer1(q_smem, k_smem, p_smem, m0_smem, m1_smem, k_ready, k_free, m_ready,
                                            p_ready, q_bar, code_row, n_keys, n_pairs, ib, mb, pb, scale, acc, m_i,
-                                           l_i, BK, NS, s_l, p_l, QASYNC)
+                                           l_i, BK, NS, s_l, p_l, QASYNC, OTMA)
             # the denominator: l_0 + l_1 (each consumer has read the other's last maximum before this point)
             m_mine.store(l_i)
             _arrive(m_ready.index(HID))
             mbarrier.wait(m_ready.index(1 - HID), (mb + n_pairs) & 1)
             l_i = l_i + m_other.load(l_i.type.layout)
-            _store_half(out_ptr, sink_ptr, cos_ptr, sin_ptr, acc, l_i, m_i, t, hb, H, HID, D, ROPE_OUT, R2)
+            if OTMA:  # both consumers' last P V are done (the denominators were exchanged after them): P's buffers
+                # are free for the output
+                _store_half_tma(o_desc, p_smem, sink, cos_ptr, sin_ptr, acc, l_i, m_i, t, w * M, HID, D, ROPE_OUT,
+                                R2, OC)
+            else:
+                _store_half(out_ptr, sink_ptr, cos_ptr, sin_ptr, acc, l_i, m_i, t, hb, H, HID, D, ROPE_OUT, R2)
+        if OTMA:
+            tma.store_wait(0)  # the last stores have read shared memory before the CTA exits
 
     @gluon.jit
-    def _sparse_attention_sm90_stagger(q_ptr, kv_ptr, code_ptr, sink_ptr, out_ptr, cos_ptr, sin_ptr, comp_off, H,
-                                       n_keys, n_items, scale, D: gl.constexpr, BK: gl.constexpr, NS: gl.constexpr,
-                                       PW: gl.constexpr, P_REGS: gl.constexpr, C_REGS: gl.constexpr,
-                                       ROPE_Q: gl.constexpr, ROPE_OUT: gl.constexpr, R2: gl.constexpr,
-                                       QASYNC: gl.constexpr):
+    def _sparse_attention_sm90_stagger(q_ptr, kv_ptr, code_ptr, sink_ptr, out_ptr, o_desc, cos_ptr, sin_ptr, comp_off,
+                                       H, n_keys, n_items, scale, D: gl.constexpr, BK: gl.constexpr,
+                                       NS: gl.constexpr, PW: gl.constexpr, P_REGS: gl.constexpr,
+                                       C_REGS: gl.constexpr, ROPE_Q: gl.constexpr, ROPE_OUT: gl.constexpr,
+                                       R2: gl.constexpr, QASYNC: gl.constexpr,
+                                       OTMA: gl.constexpr, OC: gl.constexpr):
+        """o_desc: out [T H, D] as a bulk-store descriptor of [64, OC] boxes (OTMA; else any value, unused)."""
         HALF: gl.constexpr = D // 2
         M: gl.constexpr = 64
         n_pairs = gl.cdiv(n_keys, 2 * BK)
@@ -313,7 +378,10 @@ if ws.HAVE_GLUON:
         ml: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
         q_smem = gl.allocate_shared_memory(gl.bfloat16, [2, M, HALF], sw)
         k_smem = gl.allocate_shared_memory(gl.bfloat16, [2 * NS, BK, HALF], sw)  # [2 stage + half]
-        p_smem = gl.allocate_shared_memory(gl.bfloat16, [2, M, BK], psw)
+        # P of consumer 0 / 1; OTMA: 2 more [64, OC] (= BK) buffers, the four holding the output chunks (16 KB more:
+        # 230,808 B of the 232,448)
+        gl.static_assert(not OTMA or BK == OC)
+        p_smem = gl.allocate_shared_memory(gl.bfloat16, [4 if OTMA else 2, M, BK], psw)
         m0_smem = gl.allocate_shared_memory(gl.float32, [M], ml)  # consumer 0's running max after its block
         m1_smem = gl.allocate_shared_memory(gl.float32, [M], ml)  # the pair max (consumer 1)
         l0_smem = gl.allocate_shared_memory(gl.float32, [M], ml)  # the denominators at the end of an item
@@ -337,26 +405,35 @@ if ws.HAVE_GLUON:
             mbarrier.init(p_ready.index(h), count=1)
         fence_async_shared()
         gl.warp_specialize([
-            (_consumer_stagger, (q_ptr, out_ptr, code_ptr, sink_ptr, cos_ptr, sin_ptr, q_smem, k_smem, p_smem,
+            (_consumer_stagger, (q_ptr, out_ptr, o_desc, code_ptr, sink_ptr, cos_ptr, sin_ptr, q_smem, k_smem, p_smem,
                                  l0_smem, l1_smem, m0_smem, m1_smem, k_ready, k_free, q_bar, m_ready, p_ready, H,
-                                 n_keys, n_pairs, n_items, scale, 0, D, BK, NS, ROPE_Q, ROPE_OUT, R2, QASYNC)),
-            (_consumer_stagger, (q_ptr, out_ptr, code_ptr, sink_ptr, cos_ptr, sin_ptr, q_smem, k_smem, p_smem,
+                                 n_keys, n_pairs, n_items, scale, 0, D, BK, NS, ROPE_Q, ROPE_OUT, R2, QASYNC, OTMA,
+                                 OC)),
+            (_consumer_stagger, (q_ptr, out_ptr, o_desc, code_ptr, sink_ptr, cos_ptr, sin_ptr, q_smem, k_smem, p_smem,
                                  l1_smem, l0_smem, m0_smem, m1_smem, k_ready, k_free, q_bar, m_ready, p_ready, H,
-                                 n_keys, n_pairs, n_items, scale, 1, D, BK, NS, ROPE_Q, ROPE_OUT, R2, QASYNC)),
+                                 n_keys, n_pairs, n_items, scale, 1, D, BK, NS, ROPE_Q, ROPE_OUT, R2, QASYNC, OTMA,
+                                 OC)),
             (_producer_halves, (kv_ptr, code_ptr, q_ptr, k_smem, q_smem, k_ready, k_free, q_bar, comp_off, n_keys,
                                 n_pairs, n_items, H, D, BK, NS, PW, QASYNC)),
         ], [4, PW], [C_REGS, P_REGS])
+
+
+def _out_layout():
+    """The output chunks' shared layout: P's (bf16 [64, 64], 128-byte swizzle), which the kernel reuses for them."""
+    return gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
 
 
 def launch_sm90_stagger(q: torch.Tensor, window_kv: torch.Tensor, code: torch.Tensor, sink: torch.Tensor,
                         out: torch.Tensor, comp_off: int, scale: float, rope_cos: torch.Tensor | None = None,
                         rope_sin: torch.Tensor | None = None, rope_mode: int = 0, info: dict | None = None,
                         bk: int = BK, c_regs: int = C_REGS, p_regs: int = P_REGS,
-                        persistent: bool = PERSISTENT, qasync: bool = QASYNC) -> None:
+                        persistent: bool = PERSISTENT, qasync: bool = QASYNC, otma: bool = OTMA) -> None:
     """``launch_sm90_split``'s contract, the staggered consumers (``_sparse_attention_sm90_stagger``) with ``bk`` keys
     per block (64: 2 stages, 32: 4 stages); ``persistent``: one CTA per SM looping over the (token, head block) items
     (else one CTA per item); ``qasync``: the producer copies each item's Q as soon as the previous item's last Q K^T
-    is done (q's rotation then applied in shared memory), instead of the consumers loading it at the item's start."""
+    is done (q's rotation then applied in shared memory), instead of the consumers loading it at the item's start;
+    ``otma``: the output through shared memory and bulk tensor stores (64-key blocks only: it reuses P's 128-byte
+    swizzled buffers; a 16-byte aligned out), instead of 4-byte stores from the accumulators."""
     t, h, d = q.shape
     if t == 0:
         return
@@ -364,11 +441,15 @@ def launch_sm90_stagger(q: torch.Tensor, window_kv: torch.Tensor, code: torch.Te
     ns = STAGES[bk]
     n_items = t * (h // ws.HEADS)
     grid = min(n_items, num_sms(q.device)) if persistent else n_items
+    otma = otma and bk == OC and out.data_ptr() % 16 == 0
+    # out [T H, D] in [64, OC] boxes, the layout of P's buffers; without otma out itself stands in (never read)
+    o_desc = TensorDescriptor(out.view(t * h, d), [t * h, d], [d, 1], [ws.HEADS, OC], _out_layout()) if otma else out
     kernel = _sparse_attention_sm90_stagger[(grid,)](
-        q, window_kv, code, sink, out, rope_cos, rope_sin, comp_off, h, code.shape[1], n_items, float(scale),
-        D=d, BK=bk, NS=ns, PW=PW, P_REGS=p_regs, C_REGS=c_regs, ROPE_Q=bool(rope_mode & 1),
-        ROPE_OUT=bool(rope_mode & 2), R2=r2, QASYNC=qasync, num_warps=4, maxnreg=MAXNREG)
+        q, window_kv, code, sink, out, o_desc, rope_cos, rope_sin, comp_off, h, code.shape[1], n_items,
+        float(scale), D=d, BK=bk, NS=ns, PW=PW, P_REGS=p_regs, C_REGS=c_regs, ROPE_Q=bool(rope_mode & 1),
+        ROPE_OUT=bool(rope_mode & 2), R2=r2, QASYNC=qasync, OTMA=otma, OC=OC, num_warps=4,
+        maxnreg=MAXNREG)
     if info is not None:
         info.update(impl="gluon_sm90_stagger", grid=grid, BK=bk, NS=ns, PW=PW, c_regs=c_regs, p_regs=p_regs,
-                    persistent=persistent, qasync=qasync)
+                    persistent=persistent, qasync=qasync, otma=otma)
         ws.kernel_info(kernel, info)

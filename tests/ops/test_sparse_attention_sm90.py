@@ -18,6 +18,7 @@ import torch
 from minidi.model.layers import apply_rope
 from minidi.ops import _triton_utils
 from minidi.ops import sparse_attention_sm90 as sm90
+from minidi.ops import sparse_attention_sm90_stagger as stagger
 from minidi.ops.sparse_attention import (ROPE_OUT, ROPE_Q, SM90_DEFAULT, SM90_KERNELS, encode_slots, launch,
                                          sparse_attention_ref)
 
@@ -35,7 +36,8 @@ KERNELS = {impl: (impl, {}) for impl in SM90_KERNELS} | {
     "gluon_split_hoisted": ("gluon_split", dict(zq=False)),
     "gluon_stagger_qload": ("gluon_stagger", dict(qasync=False)),
     "gluon_stagger_grid": ("gluon_stagger", dict(persistent=False)),
-    "gluon_stagger_bk32": ("gluon_stagger", dict(bk=32))}
+    "gluon_stagger_bk32": ("gluon_stagger", dict(bk=32)),
+    "gluon_stagger_stores": ("gluon_stagger", dict(otma=False))}  # the output by 4-byte stores (before round 26)
 each_kernel = pytest.mark.parametrize("impl", list(KERNELS))
 
 
@@ -144,43 +146,68 @@ def test_gpu_rotations_equal_the_model_chain(impl, mode):
     assert torch.equal(out, apply_rope(base, cos, sin, inverse=True) if mode & ROPE_OUT else base)
 
 
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("mode", [0, ROPE_Q | ROPE_OUT])
+def test_gpu_stagger_output_paths_bit_equal(mode):
+    """The staggered kernel's output through shared memory and bulk stores (``otma``, the default) gives the same bits
+    as the 4-byte stores from the accumulators, the output's rotation included, with more items than SMs and ragged
+    key lists."""
+    t, h, d, w, k = 300, 128, 512, 17, 45
+    args = _case(t, h, d, w, k, nw=t + w + 3, nc=4096, dtype=torch.bfloat16, seed=11, device="cuda")
+    cos, sin = _angles(t, 32, device="cuda")
+    new = _gluon("gluon_stagger", *args, d**-0.5, cos, sin, mode)
+    assert torch.equal(new, _gluon("gluon_stagger_stores", *args, d**-0.5, cos, sin, mode))
+
+
 # ---- compiles for sm_90a on the CPU (Triton's compiler and ptxas need no GPU) -----------------------------------
 def _compile_report(impl: str, pipe: bool, opt: int = 0) -> dict:
     """Compile one Gluon kernel for sm_90a, both rotations on, as the launchers specialise it (16-byte aligned pointers
-    and comp_off): its wgmma instruction counts by shape, setmaxnreg, shared memory, local-memory (spill) accesses in
-    its SASS. ``opt``: "gluon_split" ZQ; "gluon_stagger" the keys per block."""
+    and comp_off): its wgmma instruction counts by shape, setmaxnreg, shared memory, local-memory (spill) accesses,
+    global stores and bulk tensor stores in its SASS. ``pipe``: "gluon" / "gluon_split" PIPE, "gluon_stagger" OTMA;
+    ``opt``: "gluon_split" ZQ, "gluon_stagger" the keys per block."""
     from minidi.ops import sparse_attention_sm90_split as split
-    from minidi.ops import sparse_attention_sm90_stagger as stagger
 
     from .gluon_compile import compile_sm90, sass
 
     ptrs = dict(q_ptr=torch.bfloat16, kv_ptr=torch.bfloat16, code_ptr=torch.int32, sink_ptr=torch.float32,
                 out_ptr=torch.bfloat16, cos_ptr=torch.float32, sin_ptr=torch.float32)
     consts = dict(D=512, PW=sm90.PW, ROPE_Q=True, ROPE_OUT=True, R2=32)
+    descs: dict = {}
     if impl == "gluon":
         fn, consts = sm90._sparse_attention_sm90, consts | dict(BK=sm90.BK, NS=sm90.NS, XPAD=sm90.XPAD, PIPE=pipe,
                                                                P_REGS=sm90.P_REGS, C_REGS=sm90.C_REGS)
     elif impl == "gluon_split":
         fn, consts = split._sparse_attention_sm90_split, consts | dict(
             BK=split.BK, NS=split.NS, P_REGS=split.P_REGS, C_REGS=split.C_REGS, PIPE=pipe, ZQ=bool(opt))
-    else:
+    else:  # with 64-key blocks the output's bulk stores (a descriptor of out [T H, D]); with 32, out's pointer again
+        otma = pipe and opt == stagger.OC
         fn, consts = stagger._sparse_attention_sm90_stagger, consts | dict(
-            BK=opt, NS=stagger.STAGES[opt], P_REGS=stagger.P_REGS, C_REGS=stagger.C_REGS, QASYNC=stagger.QASYNC)
-    kern = compile_sm90(fn, {}, ptrs, consts, aligned=(*ptrs, "comp_off"), num_warps=4, maxnreg=sm90.MAXNREG)
+            BK=opt, NS=stagger.STAGES[opt], P_REGS=stagger.P_REGS, C_REGS=stagger.C_REGS, QASYNC=stagger.QASYNC,
+            OTMA=otma, OC=stagger.OC)
+        if otma:
+            descs = dict(o_desc=stagger.TensorDescriptor(torch.empty(64, 512, dtype=torch.bfloat16), [64, 512],
+                                                         [512, 1], [64, stagger.OC], stagger._out_layout()))
+        else:
+            ptrs["o_desc"] = torch.bfloat16
+    kern = compile_sm90(fn, descs, ptrs, consts, aligned=(*ptrs, "comp_off"), num_warps=4, maxnreg=sm90.MAXNREG)
     ptx = kern.asm["ptx"]
     shapes = re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)\.f32\.bf16\.bf16", ptx)
-    local = len(re.findall(r"\s(?:LDL|STL)[\s.]", sass(kern)))
+    text = sass(kern)
+    local = len(re.findall(r"\s(?:LDL|STL)[\s.]", text))
     return dict(wgmma={sh: shapes.count(sh) for sh in set(shapes)}, setmaxnreg="setmaxnreg" in ptx,
-                shared=kern.metadata.shared, local=local)
+                shared=kern.metadata.shared, local=local, stg=len(re.findall(r"\sSTG[\s.]", text)),
+                tma_stores=len(re.findall(r"\sUTMASTG[\s.]", text)))
 
 
 @pytest.mark.skipif(not sm90.gluon_supported(), reason="Gluon API of a tested Triton version (3.6) not installed")
 @pytest.mark.parametrize("impl,pipe,opt", [("gluon", False, 0), ("gluon_split", False, 0), ("gluon_split", True, 0),
                                            ("gluon_split", False, 1), ("gluon_stagger", False, 64),
-                                           ("gluon_stagger", False, 32)])
+                                           ("gluon_stagger", True, 64), ("gluon_stagger", False, 32)])
 def test_kernels_compile_for_sm90a(impl, pipe, opt):
     """The Gluon kernels compile, with the wgmma shapes of each design (one instruction per MMA of a key block) and
-    shared memory within the H200's 227 KB; the staggered kernel and the split one with ZQ (almost) without spills.
+    shared memory within the H200's 227 KB; the staggered kernel and the split one with ZQ (almost) without spills; the
+    staggered one with OTMA stores its output only by bulk tensor stores.
     Compiled in a fresh process: a Triton kernel run by the interpreter in this process (other tests) patches the
     language and the Gluon front end then fails."""
     import json
@@ -210,6 +237,8 @@ def test_kernels_compile_for_sm90a(impl, pipe, opt):
         assert rep["local"] == 0  # no spills: the wgmma descriptors are not hoisted out of the loop
     elif impl == "gluon_stagger":  # none in the key loops (the descriptors stay in them); a few per work item
         assert rep["local"] <= 16
+        if pipe:  # OTMA: the output only through bulk tensor stores, 4 chunks per consumer
+            assert (rep["stg"], rep["tma_stores"]) == (0, 8)
 
 
 def test_launchers_rotation_arguments_and_empty_slot_lists():
