@@ -272,6 +272,8 @@ def bench_activation(pk: dict, smoke: bool) -> list:
     g_loc, v_loc, ws_loc = g[:n].clone(), v[:n].clone(), ws[:n].clone()
     ms_loc = common.op_ms(lambda: h_op.moe_activation(g_loc, v_loc, ws_loc, offs, limit, block), DEV, smoke)
     common.table_row(table, "minidi op, only the local rows launched", ms_loc, nbytes, "GB/s", pk, base)
+    _walk_rows(table, h_op, "minidi op", lambda: h_op.moe_activation(g, v, ws, offs, limit, block), out, n, nbytes,
+               pk, base, smoke)
     q, s = h_op.moe_activation_fp8(g, v, ws, offs, limit, block)  # pass L's form: e4m3 values + scales
     same = torch.equal((q[:n].float() * s[:n].repeat_interleave(block, 1)), out[:n].float())
     if not same:
@@ -281,6 +283,27 @@ def bench_activation(pk: dict, smoke: bool) -> list:
                      base, q_times_s_equal=same)
     common.print_table("H moe_activation (bytes: local rows' g, v read + a written)", table)
     return table
+
+
+WALKS = (4, 8, 16, 32)  # walk_grid's programs per SM swept for moe_activation (None: one program per tile)
+
+
+def _walk_rows(table: list, module, name: str, call, want, n: int, nbytes: float, pk: dict, base: dict,
+               smoke: bool) -> None:
+    """``call()`` with ``module.WALK_PER_SM`` set to each of WALKS: a row each, its local rows checked bit-equal to
+    ``want`` (the one-program-per-tile launch's)."""
+    saved = module.WALK_PER_SM
+    try:
+        for per_sm in WALKS:
+            module.WALK_PER_SM = per_sm
+            out = call()
+            same = torch.equal(out[:n], want[:n])
+            if not same:
+                FAILURES.append(f"{name}: walk_per_sm {per_sm} differs from the one-program-per-tile launch")
+            common.table_row(table, f"{name}, walk {per_sm} programs / SM", common.op_ms(call, DEV, smoke), nbytes,
+                             "GB/s", pk, base, walk_per_sm=per_sm, bit_equal=same)
+    finally:
+        module.WALK_PER_SM = saved
 
 
 def bench_gather(pk: dict, smoke: bool) -> list:

@@ -141,3 +141,16 @@ def _sm_count(index: int) -> int:
 def num_sms(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA device (sizes persistent grids)."""
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def walk_grid(row_tiles: int, col_tiles: int, device: torch.device,
+              per_sm: int | None) -> tuple[tuple[int, ...], bool]:
+    """(grid, walk) of a kernel over row_tiles x col_tiles tiles of which only the rows below offs[-1] hold work, a
+    count known on the device only. per_sm None: one program per tile, grid (row_tiles, col_tiles), the programs
+    past offs[-1] returning at once (at emulated EP4 three quarters of them). Else ``walk``: per_sm programs per SM
+    (per_sm in all in the interpreter) walk the local tiles, row tile tile // col_tiles, column tile tile %
+    col_tiles, and no program is launched for the rows past offs[-1]."""
+    if per_sm is None:
+        return (row_tiles, col_tiles), False
+    sms = num_sms(device) if device.type == "cuda" else 1
+    return (max(1, min(row_tiles * col_tiles, sms * per_sm)),), True

@@ -49,9 +49,9 @@ def assert_matches(out, ref, dtype, block, max_share=1e-3):
     assert ((o - r).abs() <= r.abs() * step + 1e-30)[diff].all()
 
 
-def run(g, v, ws, offs, limit, block):
+def run(g, v, ws, offs, limit, block, walk=None):
     out = torch.full_like(g, POISON)
-    launch(g, v, ws, offs, limit, block or 0, out)
+    launch(g, v, ws, offs, limit, block or 0, out, walk_per_sm=walk)
     return out
 
 
@@ -66,11 +66,12 @@ CASES = [  # (R, I, counts)
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("block", [128, 64, None])
-def test_equals_the_model_ops_on_local_rows(case, dtype, block):
+@pytest.mark.parametrize("walk", [None, 3], ids=["tile_grid", "walk3"])  # walk: 3 programs walk the local tiles
+def test_equals_the_model_ops_on_local_rows(case, dtype, block, walk):
     r, i, counts = case
     g, v, ws, offs = make(r, i, counts, dtype)
     n = int(offs[-1])
-    out = run(g, v, ws, offs, 10.0, block)
+    out = run(g, v, ws, offs, 10.0, block, walk)
     ref = moe_activation_ref(g, v, ws, offs, 10.0, block)
     assert_matches(out[:n], ref[:n], dtype, block)
     assert (out[n:] == POISON).all()
@@ -190,12 +191,13 @@ def test_clear_errors(monkeypatch):
 
 @gpu
 @pytest.mark.parametrize("block", [128, None])
-def test_gpu_v41_shape(block):
+@pytest.mark.parametrize("walk", [None, 8], ids=["tile_grid", "walk8"])
+def test_gpu_v41_shape(block, walk):
     """EP4-like: 8,192 rows, a quarter local, I 2,304. exp may differ from torch's in the last fp32 bit: equal but for
     rare elements, each within one e4m3 step (one bf16 ulp without fake quant)."""
     g, v, ws, offs = make(8192, 2304, [64] * 32, torch.bfloat16, device="cuda")
     n = int(offs[-1])
-    out = run(g, v, ws, offs, 10.0, block)
+    out = run(g, v, ws, offs, 10.0, block, walk)
     ref = moe_activation_ref(g, v, ws, offs, 10.0, block)
     assert (out[n:] == POISON).all()
     d = out[:n].float() != ref[:n].float()
