@@ -18,14 +18,18 @@ the FLOPs and bytes of ``bench/op_work.py`` (the profiler's FLOPs for matmuls, I
 copy-like and elementwise ops from the recorded shapes). A CPU call counts its own part (``call_work``: a composite
 op's work is its children's). CUDA: a kernel gets the work of the op that launched it (the innermost ``cpu_op``
 around its launch on the launching thread) only when that op launched nothing else: the work of an op cannot be
-split between kernels.
+split between kernels. minidi's own ops declare theirs per kernel (``bench/minidi_work.py``, from the call's recorded
+arguments): each of their kernels gets its declared work, a launch an equal share of its kernel's in that call; the
+MoE's local-row kernels need ``ep_size`` (their rows are device data; under EP N the model's count, ``bytes_from``).
+On the CPU a minidi op's call stays a composite (the interpreter runs its kernels beside its own staging copies).
 
 Rates: FLOPs / time in TFLOP/s against the bf16 matmul peak, bytes / time in GB/s against the copy peak (read +
 write), both measured in the same run (``bench/common.py`` ``measure_peaks``); ``pct_peak`` is the larger of the
 two (the roof the kernel is nearest). A host<->device memcpy gets GB/s but no % of the device's copy peak.
 
-``python bench/kernel_table.py TRACE.json[.gz] --top 25 [--bf16_tflops X --copy_gbps Y]`` prints the table of a
-saved trace (the benchmark's traces keep ``args.flops`` when written with ``--kernels``).
+``python bench/kernel_table.py TRACE.json[.gz] --top 25 [--bf16_tflops X --copy_gbps Y --ep N]`` prints the table
+of a saved trace (the benchmark's traces keep ``args.flops`` when written with ``--kernels``; ``--ep``: the run's
+``ep``, for the MoE kernels' rows).
 """
 
 from __future__ import annotations
@@ -44,10 +48,11 @@ from pathlib import Path
 import torch
 
 if __package__:  # imported as bench.kernel_table (the benchmark as a module, the tests)
-    from . import common, prefill_stages
+    from . import common, minidi_work, prefill_stages
     from .op_work import call_work, trivial
 else:  # run as a script: the script's folder is sys.path[0]
     import common
+    import minidi_work
     import prefill_stages
     from op_work import call_work, trivial
 
@@ -63,6 +68,7 @@ class _Op:
     children_us: float = 0.0
     busy_children: list[str] = field(default_factory=list)  # names of the direct children that are not trivial
     launches: int = 0  # device events whose launch this op is the innermost op of
+    kernels: dict[str, int] = field(default_factory=dict)  # those launches by device-event name
 
 
 def _ops_by_thread(events: list[dict]) -> dict[tuple, list[_Op]]:
@@ -100,6 +106,7 @@ class _Call:
     nbytes: float | None
     device_copy: bool = True  # False: a host <-> device memcpy (no % of the device's copy peak)
     stage: str = prefill_stages.OTHER  # the report category it is charged to (``prefill_stages``)
+    bytes_from: str | None = None  # where its bytes rest on the model's count (``minidi_work``: local rows)
 
 
 def _span(e: dict) -> tuple[float, float]:
@@ -124,7 +131,17 @@ def _cpu_calls(events: list[dict], steps: list[dict]) -> tuple[list[_Call], floa
     return calls, statistics.mean(float(s["dur"]) for s in steps) / 1e3
 
 
-def _device_calls(events: list[dict], steps: list[dict]) -> tuple[list[_Call], float]:
+def _launch_work(op: _Op | None, kernel: str, ep_size: int | None) -> tuple[float | None, float | None, str | None]:
+    """(FLOPs, bytes, bytes_from) of one device event launched with ``op`` innermost: a declared minidi op's share
+    for that kernel (``minidi_work``), else the op's work where it launched nothing else."""
+    if op is None:
+        return None, None, None
+    if minidi_work.declared(op.event.get("name", "")):
+        return minidi_work.kernel_work(op.event, kernel, op.kernels.get(kernel, 0), True, ep_size)
+    return (*_work(op), None) if op.launches == 1 else (None, None, None)
+
+
+def _device_calls(events: list[dict], steps: list[dict], ep_size: int | None) -> tuple[list[_Call], float]:
     launches = {}  # correlation -> (thread, launch ts)
     for e in events:
         corr = (e.get("args") or {}).get("correlation")
@@ -148,14 +165,16 @@ def _device_calls(events: list[dict], steps: list[dict]) -> tuple[list[_Call], f
             owner[i] = op
             if op is not None:
                 op.launches += 1
+                name = device[i][0].get("name", "?")
+                op.kernels[name] = op.kernels.get(name, 0) + 1
         for (_, i), category in zip(mine, prefill_stages.categories_at(stage_ranges, thread, times)):
             stage[i] = category
     calls = []
     for i, (e, _) in enumerate(device):
-        op = owner.get(i)
-        work = _work(op) if op is not None and op.launches == 1 else (None, None)
+        flops, nbytes, basis = _launch_work(owner.get(i), e.get("name", "?"), ep_size)
         copy = not (e.get("cat") == "gpu_memcpy" and "DtoD" not in e.get("name", ""))
-        calls.append(_Call(e.get("name", "?"), float(e["dur"]), *work, device_copy=copy, stage=stage[i]))
+        calls.append(_Call(e.get("name", "?"), float(e["dur"]), flops, nbytes, device_copy=copy, stage=stage[i],
+                           bytes_from=basis))
     spans = []  # the device time from the first to the last event of each step
     for lo, hi in windows:
         mine = [e for e, launch in device if lo <= launch[1] <= hi]
@@ -240,14 +259,19 @@ class KernelTable:
 
 def kernel_table(trace: prefill_stages.Trace, top: int, peaks: dict | None = None,
                  cuda: bool | None = None,
-                 model_flops: dict[str, tuple[tuple[str, ...], float]] | None = None) -> KernelTable:
+                 model_flops: dict[str, tuple[tuple[str, ...], float]] | None = None,
+                 ep_size: int | None = None) -> KernelTable:
     """The ``top`` kernels by total time over the trace's ``minidi/step`` ranges (``cuda``: device events; False:
     CPU op self times; None: device events where the trace has them). ``peaks``: ``bf16_tflops`` / ``copy_gbps``
     for ``pct_peak`` (left out without them). ``model_flops``: label -> (kernel names, FLOPs per step) from the
     model's count (``model_work.kernel_model_flops``), given to the heaviest of those kernels in the trace where the
-    trace has no FLOPs for it (the row says ``flops_from``). Raises ValueError when the trace has no step range."""
+    trace has no FLOPs for it (the row says ``flops_from``). ``ep_size``: the run's expert parallelism, which decides
+    the rows the MoE's local-row kernels move (``minidi_work``: 1 all, N the model's R / N, the row says
+    ``bytes_from``; None: those kernels stay unknown). Raises ValueError when the trace has no step range."""
     if not isinstance(top, int) or top < 1:
         raise ValueError(f"top must be an int >= 1 (rows of the kernel table), got {top!r}")
+    if ep_size is not None and (not isinstance(ep_size, int) or ep_size < 1):
+        raise ValueError(f"ep_size must be an int >= 1 (the run's expert parallelism) or None, got {ep_size!r}")
     events = prefill_stages.load_events(trace)
     steps = [e for e in events if e.get("cat") == prefill_stages.RANGE_CAT and e.get("name") ==
              prefill_stages.STEP_RANGE]
@@ -256,7 +280,7 @@ def kernel_table(trace: prefill_stages.Trace, top: int, peaks: dict | None = Non
                          f"({prefill_stages.STEP_RANGE!r})` around each profiled step")
     if cuda is None:
         cuda = prefill_stages.has_device_events(events)
-    calls, step_ms = (_device_calls if cuda else _cpu_calls)(events, steps)
+    calls, step_ms = _device_calls(events, steps, ep_size) if cuda else _cpu_calls(events, steps)
     groups: dict[str, list[_Call]] = {}
     for c in calls:
         groups.setdefault(c.name, []).append(c)
@@ -292,6 +316,8 @@ def _row(name: str, full: str, calls: list[_Call], steps: int, step_ms: float, p
             r, p = common.rate(ms, row["bytes_per_step"], "GB/s", peaks)
             row["gbps"] = _sig(r)
             pct.append(p if all(c.device_copy for c in calls) else math.nan)
+        if basis := sorted({c.bytes_from for c in calls if c.bytes_from}):
+            row["bytes_from"] = "; ".join(basis)
     pct = [p for p in pct if not math.isnan(p)]
     if pct:
         row["pct_peak"] = _sig(max(pct))
@@ -335,7 +361,8 @@ def format_kernel_table(rows: list[dict], summary: dict, peaks: dict | None = No
               "% step": num(r.get("pct_step"), ".2f"),
               "GFLOP/step": num(r.get("flops_per_step") and r["flops_per_step"] / 1e9, ".4g")
               + ("*" if r.get("flops_from") else ""),
-              "MB/step": num(r.get("bytes_per_step") and r["bytes_per_step"] / 1e6, ".4g"),
+              "MB/step": num(r.get("bytes_per_step") and r["bytes_per_step"] / 1e6, ".4g")
+              + ("*" if r.get("bytes_from") else ""),
               "TFLOP/s": num(r.get("tflops"), ".4g"), "GB/s": num(r.get("gbps"), ".4g"),
               "% peak": num(r.get("pct_peak"), ".1f")} for r in rows]
     width = max([len(r["name"]) for r in rows] + [4])
@@ -345,8 +372,8 @@ def format_kernel_table(rows: list[dict], summary: dict, peaks: dict | None = No
             f"step{'s' * (steps > 1)}; step {summary['step_ms']:.3f} ms")
     foot = (f"  these rows: {top:.3f} ms/step; all {summary['distinct']}: {summary['all_ms_per_step']:.3f} ms/step; "
             f"% peak of {peaks.get('bf16_tflops', '?')} TFLOP/s bf16 matmul or {peaks.get('copy_gbps', '?')} GB/s "
-            "copy (measured)" + ("; * the model's FLOPs (flops_from): an effective rate" if any(
-                r.get("flops_from") for r in rows) else ""))
+            "copy (measured)" + ("; * the model's FLOPs (flops_from) or rows (bytes_from): an effective rate" if any(
+                r.get("flops_from") or r.get("bytes_from") for r in rows) else ""))
     return common.format_table(head, shown, name_width=width, width=10) + "\n" + foot
 
 
@@ -390,11 +417,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
     ap.add_argument("--bf16_tflops", type=float, default=None, help="matmul peak for %% peak (the run's card)")
     ap.add_argument("--copy_gbps", type=float, default=None, help="copy peak for %% peak (the run's card)")
+    ap.add_argument("--ep", type=int, default=None, metavar="N",
+                    help="the run's expert parallelism (its JSON line's ep): the rows minidi's MoE kernels move (1: "
+                         "all routed rows; N: the model's 1/N, marked *); unset: those kernels' bytes stay unknown")
     args = ap.parse_args(argv)
     peaks = {k: v for k, v in (("bf16_tflops", args.bf16_tflops), ("copy_gbps", args.copy_gbps)) if v}
     try:
         table = kernel_table(load_trace(args.trace), args.top, peaks,
-                             None if args.device == "auto" else args.device == "cuda")
+                             None if args.device == "auto" else args.device == "cuda", ep_size=args.ep)
     except (OSError, ValueError) as e:
         print(f"error: {args.trace}: {e}", file=sys.stderr)
         return 2

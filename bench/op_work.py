@@ -58,7 +58,7 @@ DTYPES = {k: getattr(torch, v) for k, v in _DTYPE_NAMES.items() if hasattr(torch
 
 # ---- work of one op call -------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
-class _Tensor:
+class TensorArg:
     dims: tuple[int, ...]
     dtype: torch.dtype
     strides: tuple[int, ...] | None
@@ -70,17 +70,17 @@ class _Tensor:
         return math.prod(dims) * self.dtype.itemsize
 
 
-def _tensor_args(args: dict) -> list[_Tensor | None] | None:
-    """The op's arguments, a ``_Tensor`` for each tensor and None for the rest; None when shapes were not recorded
+def tensor_args(args: dict) -> list[TensorArg | None] | None:
+    """The op's arguments, a ``TensorArg`` for each tensor and None for the rest; None when shapes were not recorded
     or an argument is a tensor list or a tensor of a dtype not known here."""
     dims, types, strides = args.get("Input Dims"), args.get("Input type"), args.get("Input Strides")
     if not isinstance(dims, list) or not isinstance(types, list) or len(dims) != len(types):
         return None
-    out: list[_Tensor | None] = []
+    out: list[TensorArg | None] = []
     for i, (d, t) in enumerate(zip(dims, types)):
         if t in DTYPES and isinstance(d, list) and all(isinstance(x, int) for x in d):
             s = strides[i] if isinstance(strides, list) and i < len(strides) else None
-            out.append(_Tensor(tuple(d), DTYPES[t], tuple(s) if isinstance(s, list) else None))
+            out.append(TensorArg(tuple(d), DTYPES[t], tuple(s) if isinstance(s, list) else None))
         elif t == "TensorList" or str(t).startswith("c10::"):
             return None  # tensors we cannot size
         else:  # Scalar, ScalarList, a string, None (""): no data
@@ -92,7 +92,7 @@ def _category(dt: torch.dtype) -> int:
     return 3 if dt.is_complex else 2 if dt.is_floating_point else 0 if dt == torch.bool else 1
 
 
-def _result_dtype(tensors: list[_Tensor]) -> torch.dtype | None:
+def _result_dtype(tensors: list[TensorArg]) -> torch.dtype | None:
     """torch's type promotion where the trace decides it: dimensioned tensors promote; a 0-dim one (or a wrapped
     number, which the trace does not tell apart) of a higher category makes it undecidable (None)."""
     if not tensors:
@@ -131,7 +131,7 @@ def out_positions(name: str, tensor_mask: tuple[bool, ...]) -> tuple[int, ...] |
     return found.pop() if len(found) == 1 else None
 
 
-def _elementwise_bytes(name: str, args: list[_Tensor | None]) -> int | None:
+def _elementwise_bytes(name: str, args: list[TensorArg | None]) -> int | None:
     base = name[len("aten::"):]
     inplace = base.endswith("_") and not base.endswith("__")
     rule = OUT_RULE.get(base[:-1] if inplace else base)
@@ -177,7 +177,7 @@ def op_work(event: dict) -> tuple[float | None, float | None]:
     flops = nbytes = None
     if name in MATMUL_OPS and _positive(args.get("flops")):
         flops = float(args["flops"])
-    elif name in MATMUL_OPS and any(t is not None and 0 in t.dims for t in _tensor_args(args) or []):
+    elif name in MATMUL_OPS and any(t is not None and 0 in t.dims for t in tensor_args(args) or []):
         flops = 0.0  # an empty operand or output (an expert with no rows): 2*M*N*K = 0 (the profiler records no 0)
     if _positive(args.get("kernel_flop")):
         flops = float(args["kernel_flop"])
@@ -185,7 +185,7 @@ def op_work(event: dict) -> tuple[float | None, float | None]:
         nbytes = float(args["kernel_num_gb"]) * 1e9
     elif name in COPY_OPS or name in ELEMENTWISE_OPS or (
             name.endswith("_") and name[:-1] in ELEMENTWISE_OPS):
-        tensors = _tensor_args(args)
+        tensors = tensor_args(args)
         if tensors and tensors[0] is not None:
             if name == "aten::copy_":  # write the destination, read the source
                 b = tensors[0].nbytes + tensors[1].nbytes if len(tensors) > 1 and tensors[1] is not None else None
@@ -201,7 +201,7 @@ def trivial(event: dict) -> bool:
     """A call that moves no data worth counting: a view / allocation, or work on tensors of at most one element."""
     if event.get("name") in TRIVIAL_OPS:
         return True
-    tensors = _tensor_args(event.get("args") or {})
+    tensors = tensor_args(event.get("args") or {})
     return tensors is not None and all(t is None or math.prod(t.dims) <= 1 for t in tensors)
 
 

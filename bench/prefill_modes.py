@@ -136,7 +136,8 @@ def run_mode(mode: str, wl, args, card: dict, out_dir: Path, held: dict | None =
             with phase(f"profile ({args.profile_steps} steps)"):
                 prof = profile_steps(step, wl, args.profile_steps, device, trace, args.kernels, card["peaks"],
                                      markers=not args.no_stage_markers,
-                                     model_flops=kernel_model_flops(cfg, wl.new_tokens, wl.cached_tokens, wl.seqs))
+                                     model_flops=kernel_model_flops(cfg, wl.new_tokens, wl.cached_tokens, wl.seqs),
+                                     ep_size=cfg.ep_size)
     ms = sum(times) / len(times)
     tokens = wl.new_tokens * wl.seqs
     flops = step_flops(cfg, wl.new_tokens, wl.cached_tokens, wl.seqs)["total"]

@@ -36,11 +36,12 @@ class Profile:
 
 
 def profile_steps(step, wl, n: int, device: str, trace_path: Path, kernels: int = 0, peaks: dict | None = None,
-                  markers: bool = True, model_flops: dict | None = None) -> Profile:
+                  markers: bool = True, model_flops: dict | None = None, ep_size: int | None = None) -> Profile:
     """Profile ``n`` steps into one trace (written gzipped to ``trace_path``); from it the stage table (one stalled
     step does not move its medians) and, with ``kernels`` > 0, the top ``kernels`` kernels (shapes and FLOPs are
     recorded then: ``kernel_table.py``; the trace keeps the profiler's FLOPs as ``args.flops``; ``model_flops``: the
-    model's FLOPs of minidi's compute-bound kernels, ``model_work.py``)."""
+    model's FLOPs of minidi's compute-bound kernels, ``model_work.py``; ``ep_size``: the model's expert parallelism,
+    the rows minidi's MoE kernels move, ``minidi_work.py``)."""
     acts = [torch.profiler.ProfilerActivity.CPU]
     if common.is_cuda(device):
         acts.append(torch.profiler.ProfilerActivity.CUDA)
@@ -61,7 +62,8 @@ def profile_steps(step, wl, n: int, device: str, trace_path: Path, kernels: int 
     per_step = prefill_stages.stage_ms_each_step(events, cuda=cuda) if markers else []
     table = prefill_stages.median_table(per_step) if per_step else {}
     busy = prefill_stages.gpu_busy_ms_per_step(events, n) if cuda else None
-    kt = kernel_table.kernel_table(events, kernels, peaks, cuda=cuda, model_flops=model_flops) if kernels else None
+    kt = kernel_table.kernel_table(events, kernels, peaks, cuda=cuda, model_flops=model_flops,
+                                   ep_size=ep_size) if kernels else None
     if kernels:  # the annotated trace
         with gzip.open(trace_path, "wt") as g:
             json.dump(trace, g)

@@ -110,6 +110,8 @@ def test_needs_step_ranges_and_a_positive_top():
         kernel_table(trace, top=5)
     with pytest.raises(ValueError, match="top"):
         kernel_table(_cpu_trace(), top=0)
+    with pytest.raises(ValueError, match="ep_size"):
+        kernel_table(_cpu_trace(), top=5, ep_size=0)
 
 
 GEMM = "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1_execute_segment_k_off_kernel"
@@ -216,6 +218,69 @@ def test_rows_split_their_time_by_stage():
     assert rows["k_a"]["stages_ms"] == {"moe": 0.005} and rows["k_b"]["stages_ms"] == {"indexer": 0.005}
     assert rows["triton_poi_fused_add_0"]["stages_ms"] == {"hc_norm_other": 0.002}
     assert all(sum(r["stages_ms"].values()) == pytest.approx(r["ms_per_step"]) for r in t.rows)
+
+
+BF16 = "c10::BFloat16"
+
+
+def _minidi_trace():
+    """_cuda_trace plus two minidi ops (``bench/minidi_work.py``): hc_expand launching its kernel; moe_combine launching
+    its two kernels and one the declaration does not name."""
+    t, n, d, r, k = 16, 4, 4096, 96, 6
+    trace = _cuda_trace()
+    trace["traceEvents"] += [
+        _op("minidi::hc_expand", 605, 30, [[t, n, d], [t, d], [t, n], [t, n, n]], [BF16, BF16, "float", "float"]),
+        _launch(8, 610, "cuda_driver"), _kernel(8, "_hc_expand_kernel", 4),
+        _op("minidi::moe_combine", 640, 50, [[r, d], [r], [r], []], [BF16, "long int", "bool", "Scalar"],
+            **{"Concrete Inputs": ["", "", "", str(k)]}),
+        _launch(9, 645, "cuda_driver"), _launch(10, 650, "cuda_driver"), _launch(11, 655, "cuda_driver"),
+        _kernel(9, "_invert_kernel", 1), _kernel(10, "_combine_kernel", 2), _kernel(11, "k_c", 1),
+    ]
+    return trace
+
+
+def test_minidi_ops_declare_their_kernels_work():
+    """Each kernel of a declared minidi op gets its declared bytes, rate and % of the copy peak, whatever else the op
+    launched; an undeclared kernel of such an op stays unknown; the MoE kernel that moves only the local rows needs
+    ``ep_size`` (4: the model's quarter of the rows, marked)."""
+    t, n, d, r, k = 16, 4, 4096, 96, 6
+    peaks = {"bf16_tflops": 1000.0, "copy_gbps": 4000.0}
+    rows = {r_["name"]: r_ for r_ in kernel_table(_minidi_trace(), top=20, peaks=peaks, ep_size=4).rows}
+    expand = rows["_hc_expand_kernel"]
+    assert expand["bytes_per_step"] == 2 * t * n * d * 2 + t * d * 2 + t * n * 4 + t * n * n * 4
+    assert expand["gbps"] == pytest.approx(expand["bytes_per_step"] / 4e-6 / 1e9, rel=1e-3)
+    assert expand["pct_peak"] == pytest.approx(100 * expand["gbps"] / 4000.0, rel=1e-3)
+    assert rows["_invert_kernel"]["bytes_per_step"] == r * (8 + 1 + 4) and "bytes_from" not in rows["_invert_kernel"]
+    combine = rows["_combine_kernel"]
+    assert combine["bytes_per_step"] == r * 4 + r // 4 * d * 2 + r // k * d * 4
+    assert combine["bytes_from"] == "model: uniform expert load, 1/4 of the routed rows local"
+    assert not {"bytes_per_step", "flops_per_step"} & set(rows["k_c"])
+    assert not {"bytes_per_step", "flops_per_step"} & set(rows["k_a"])  # an undeclared op's two kernels: as before
+    every = {r_["name"]: r_ for r_ in kernel_table(_minidi_trace(), top=20, ep_size=1).rows}
+    assert every["_combine_kernel"]["bytes_per_step"] == r * 4 + r * d * 2 + r // k * d * 4
+    assert "bytes_from" not in every["_combine_kernel"]
+    unknown = {r_["name"]: r_ for r_ in kernel_table(_minidi_trace(), top=20).rows}  # no ep_size
+    assert "bytes_per_step" not in unknown["_combine_kernel"] and "bytes_per_step" in unknown["_invert_kernel"]
+    text = format_kernel_table(list(rows.values()), kernel_table(_minidi_trace(), top=20).summary(), peaks)
+    line = next(ln for ln in text.splitlines() if ln.startswith("_combine_kernel"))
+    assert f"{combine['bytes_per_step'] / 1e6:.4g}*" in line and "rows (bytes_from)" in text
+
+
+def test_a_kernel_launched_twice_in_one_call_takes_half_each():
+    from bench.minidi_work import kernel_work, op_kernels
+
+    fq8 = _op("minidi::fq8", 0, 1, [[8, 64], []], [BF16, "Scalar"], **{"Concrete Inputs": ["", "32"]})
+    assert op_kernels(fq8, cuda=True) == {"_fq8_kernel": (2 * 8 * 64 * 2, None, None)}
+    assert kernel_work(fq8, "_fq8_kernel", 2, cuda=True) == (None, 8 * 64 * 2, None)
+    assert kernel_work(fq8, "_other_kernel", 1, cuda=True) == (None, None, None)
+
+
+def test_cli_takes_the_runs_expert_parallelism(tmp_path, capsys):
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(_minidi_trace()))
+    assert main([str(path), "--ep", "4", "--copy_gbps", "4000"]) == 0
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("_combine_kernel"))
+    assert "*" in line
 
 
 def test_cuda_host_copies_get_no_pct_of_the_device_peak():
