@@ -23,6 +23,7 @@ from typing import Any, Callable
 
 import torch
 
+from minidi.runtime import cpp_kernel_batch
 from minidi.runtime.exact_cpu import all_cpu, aten_kernels
 
 log = logging.getLogger("minidi.compile")
@@ -142,6 +143,8 @@ def codegen_config(example_inputs: list, *, autotune: bool, cpu_simd: bool) -> c
         patch["cpp.simdlen"] = SCALAR_SIMDLEN
     if patch:
         stack.enter_context(inductor_config.patch(patch))
+    if all_cpu(example_inputs):  # one g++ run per few kernels instead of one per kernel (``cpp_kernel_batch``)
+        stack.enter_context(cpp_kernel_batch.batching())
     return stack
 
 
