@@ -52,15 +52,17 @@ def hc_mix_default() -> dict:
 
 
 def moe_activation_fp8_default() -> dict:
-    """``_moe_activation_kernel`` as pass L runs it (bf16 g / v, e4m3 out + scales, fq8 blocks of 32, I 2,304)."""
+    """``_moe_activation_kernel`` as pass L runs it (bf16 g / v, e4m3 out + scales, fq8 blocks of 32, I 2,304, the
+    default launch form)."""
     from minidi.ops import moe_activation as act
 
     br, nb, warps = act.gpu_tile(2304, 32)
     sig = {"g_ptr": "*bf16", "v_ptr": "*bf16", "w_ptr": "*fp32", "offs_ptr": "*i32", "out_ptr": "*fp8e4nv",
-           "s_ptr": "*fp32", "R": "i32", "I": "i32", "E": "i32", "stride_g": "i32", "stride_v": "i32",
-           "stride_w": "i32", "stride_o": "i32", "stride_s": "i32", "limit": "fp32"}
+           "s_ptr": "*fp32", "R": "i32", "I": "i32", "E": "i32", "NCT": "i32", "stride_g": "i32",
+           "stride_v": "i32", "stride_w": "i32", "stride_o": "i32", "stride_s": "i32", "limit": "fp32"}
     div = tuple(n for n in sig if n.endswith("_ptr")) + ("I", "stride_g", "stride_v", "stride_o")
-    consts = dict(BR=br, NB=nb, BLOCK=32, QUANT=True, ROUND_BF16=True, SPLIT=True, INTERPRET=False)
+    consts = dict(BR=br, NB=nb, BLOCK=32, QUANT=True, ROUND_BF16=True, SPLIT=True, INTERPRET=False,
+                  WALK=act.WALK_PER_SM is not None)
     return resources(act._moe_activation_kernel, sig, consts, div, num_warps=warps)
 
 
