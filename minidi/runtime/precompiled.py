@@ -34,6 +34,7 @@ from typing import Any, Callable
 
 import torch
 
+from . import cpp_kernel_batch
 from .compile_settings import mark_leading_dims_only
 
 log = logging.getLogger("minidi.compile")
@@ -182,9 +183,10 @@ class PrecompiledCalls:
         if not isinstance(data, dict) or data.get("format") != FORMAT:
             raise ValueError(f"precompiled graphs: format {data.get('format') if isinstance(data, dict) else '?'}, "
                              f"this minidi reads {FORMAT}")
-        for label, blobs in data["fns"].items():
-            self.fns.setdefault(label, []).extend(AOTCompiledFunction.deserialize(b) for b in blobs)
-            self.loaded += len(blobs)
+        with cpp_kernel_batch.batching():  # a fresh machine compiles the graphs' C++ kernels (CPU) as it loads them
+            for label, blobs in data["fns"].items():
+                self.fns.setdefault(label, []).extend(AOTCompiledFunction.deserialize(b) for b in blobs)
+                self.loaded += len(blobs)
         self.load_s += time.perf_counter() - t0
 
     def labels(self) -> list[str]:

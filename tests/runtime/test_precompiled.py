@@ -87,3 +87,24 @@ def test_loads_refuses_another_format():
 
     with pytest.raises(ValueError, match="format 99, this minidi reads 1"):
         PrecompiledCalls(dynamic=True).loads(pickle.dumps({"format": 99, "fns": {}}))
+
+
+def test_loads_compiles_the_graphs_cpp_kernels_in_batches(monkeypatch):
+    """A fresh machine compiles the loaded graphs' C++ kernels as it deserialises them: under
+    ``cpp_kernel_batch.batching()`` (a graph's kernels in a few units, not one g++ run each)."""
+    import contextlib
+    import pickle
+
+    from minidi.runtime import precompiled
+
+    active = []
+
+    @contextlib.contextmanager
+    def batching():
+        active.append(True)
+        yield
+        active.append(False)
+
+    monkeypatch.setattr(precompiled.cpp_kernel_batch, "batching", batching)
+    PrecompiledCalls(dynamic=True).loads(pickle.dumps({"format": precompiled.FORMAT, "fns": {}}))
+    assert active == [True, False]
