@@ -7,7 +7,8 @@ CPU, g++ took 0.46 s for the header alone, 0.56 s with one kernel and 0.69 s wit
 (``docs/benchmarks/cpu_compile_round26/gxx_pch_timing.txt``). Tiny V4.1's graphs have 131 distinct kernels: its cold
 compile took 78.6-85.4 s batched against 109.5-123.1 s (docs/benchmarks/README.md, round 26).
 
-While ``batching()`` is active (``compile_settings.codegen_config`` turns it on for CPU graphs), the kernels a graph's
+While ``batching()`` is active (``compile_settings.codegen_config`` turns it on for CPU graphs, and
+``PrecompiledCalls.loads`` while a warm start deserialises its graphs), the kernels a graph's
 module asks for are collected instead of compiled, and its ``async_compile.wait`` compiles them as a few translation
 units (one per compile thread): each kernel's code in a namespace of its own, its ``kernel`` function renamed there,
 one Python binding module with a function per kernel, built from Inductor's own binding template. The kernels are the
