@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from minidi.ops import sparse_attention_sm90 as ws
+from minidi.ops._sparse_attention_out_tma import OC, out_layout
 from minidi.ops._triton_utils import num_sms
 from minidi.ops.sparse_attention_sm90_split import C_REGS, P_REGS
 
@@ -32,7 +33,8 @@ if ws.HAVE_GLUON:
                                                                   warpgroup_mma, warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from minidi.ops.sparse_attention_sm90 import _add, _max, _mul_rn, _out_half, _q_half, _store_half
+    from minidi.ops._sparse_attention_out_tma import _out_drained, _store_half_tma
+    from minidi.ops.sparse_attention_sm90 import _add, _max, _mul_rn, _q_half, _store_half
 
 PW, MAXNREG = ws.PW, ws.MAXNREG
 PERSISTENT = True  # one CTA per SM looping over (token, head block) items
@@ -40,7 +42,6 @@ QASYNC = True  # the producer copies each item's Q as soon as the previous item'
 BK = 64  # keys per block (a pair is 128 keys)
 STAGES = {64: 2, 32: 4}  # stages per block size: Q 64 KB + 2 x 64 KB (+ 2 x 8 KB P) or 4 x 32 KB (+ 2 x 4 KB)
 OTMA = True  # the output through shared memory (4 [64, 64] chunks per consumer) and bulk tensor stores (round 26)
-OC = 64  # output columns per bulk-store chunk (128 B rows: the 128-byte swizzle of P's buffers)
 
 
 if ws.HAVE_GLUON:
@@ -250,50 +251,6 @@ if ws.HAVE_GLUON:
         return acc, m_i, l_i
 
     @gluon.jit
-    def _out_chunk(o_desc, buf, x, row, col, WAIT: gl.constexpr):
-        """One [64, OC] bf16 chunk of the output through ``buf`` to rows row.., columns col.. of out (a bulk tensor
-        store, not waited). WAIT: first wait until the copy engine has read the chunk before last (``buf``'s)."""
-        if WAIT:
-            tma.store_wait(1)
-            gl.thread_barrier()  # every warp sees the buffer free (the issuing thread waited)
-        buf.store(x)
-        fence_async_shared()  # generic-proxy stores that the copy engine (async proxy) reads
-        gl.thread_barrier()  # the whole chunk is written before one thread issues the copy
-        tma.async_copy_shared_to_global(o_desc, [row, col], buf)
-
-    @gluon.jit
-    def _store_half_tma(o_desc, o_smem, sink, cos_ptr, sin_ptr, acc, l_i, m_i, t, row, HID: gl.constexpr,
-                        D: gl.constexpr, ROPE_OUT: gl.constexpr, R2: gl.constexpr, OC: gl.constexpr):
-        """``_out_half``'s values (``_store_half``'s, so the same bits; the output's rotation applied in registers),
-        written through shared memory (``stmatrix``) and bulk tensor stores instead of ``_store_half``'s
-        64 4-byte stores per thread straight from the wgmma layout (each warp store: 8 rows x 16 bytes, half-filled
-        32-byte sectors), which keep the consumer issuing while no tensor-core work is queued. The half's 4 [64, OC]
-        chunks alternate between two buffers (``o_smem`` HID: this consumer's P buffer, free once both consumers'
-        last P V of the item is done; 2 + HID), the copy engine reading one while the next is written; the last two
-        stores drain while the next item starts (``_out_drained`` before this consumer's P buffer is written)."""
-        HALF: gl.constexpr = D // 2
-        M: gl.constexpr = 64
-        out = _out_half(acc, l_i, m_i, sink, cos_ptr, sin_ptr, t, HID, D, ROPE_OUT, R2)
-        # [64, HALF] -> 4 column chunks [64, OC] (register renames): column 2 OC c1 + OC c0 + x -> (c0, c1) split out
-        gl.static_assert(HALF == 4 * OC)
-        a, b = gl.split(gl.permute(gl.reshape(out.to(gl.bfloat16), [M, 2, 2, OC]), (0, 3, 1, 2)))  # c0 = 0, 1
-        x0, x2 = gl.split(a)  # chunks 0 and 2 (c1 = 0, 1)
-        x1, x3 = gl.split(b)
-        col = HID * HALF
-        _out_chunk(o_desc, o_smem.index(HID), x0, row, col, False)
-        _out_chunk(o_desc, o_smem.index(2 + HID), x1, row, col + OC, False)
-        _out_chunk(o_desc, o_smem.index(HID), x2, row, col + 2 * OC, True)
-        _out_chunk(o_desc, o_smem.index(2 + HID), x3, row, col + 3 * OC, True)
-
-    @gluon.jit
-    def _out_drained(OTMA: gl.constexpr):
-        """OTMA: this consumer's bulk stores of the previous item have read its buffers (before its P buffer is
-        written again)."""
-        if OTMA:
-            tma.store_wait(0)
-            gl.thread_barrier()
-
-    @gluon.jit
     def _consumer_stagger(q_ptr, out_ptr, o_desc, code_ptr, sink_ptr, cos_ptr, sin_ptr, q_smem, k_smem, p_smem,
                           m_mine, m_other, m0_smem, m1_smem, k_ready, k_free, q_bar, m_ready, p_ready, H, n_keys,
                           n_pairs, n_items, scale, HID: gl.constexpr, D: gl.constexpr, BK: gl.constexpr,
@@ -418,11 +375,6 @@ if ws.HAVE_GLUON:
         ], [4, PW], [C_REGS, P_REGS])
 
 
-def _out_layout():
-    """The output chunks' shared layout: P's (bf16 [64, 64], 128-byte swizzle), which the kernel reuses for them."""
-    return gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-
-
 def launch_sm90_stagger(q: torch.Tensor, window_kv: torch.Tensor, code: torch.Tensor, sink: torch.Tensor,
                         out: torch.Tensor, comp_off: int, scale: float, rope_cos: torch.Tensor | None = None,
                         rope_sin: torch.Tensor | None = None, rope_mode: int = 0, info: dict | None = None,
@@ -443,7 +395,7 @@ def launch_sm90_stagger(q: torch.Tensor, window_kv: torch.Tensor, code: torch.Te
     grid = min(n_items, num_sms(q.device)) if persistent else n_items
     otma = otma and bk == OC and out.data_ptr() % 16 == 0
     # out [T H, D] in [64, OC] boxes, the layout of P's buffers; without otma out itself stands in (never read)
-    o_desc = TensorDescriptor(out.view(t * h, d), [t * h, d], [d, 1], [ws.HEADS, OC], _out_layout()) if otma else out
+    o_desc = TensorDescriptor(out.view(t * h, d), [t * h, d], [d, 1], [ws.HEADS, OC], out_layout()) if otma else out
     kernel = _sparse_attention_sm90_stagger[(grid,)](
         q, window_kv, code, sink, out, o_desc, rope_cos, rope_sin, comp_off, h, code.shape[1], n_items,
         float(scale), D=d, BK=bk, NS=ns, PW=PW, P_REGS=p_regs, C_REGS=c_regs, ROPE_Q=bool(rope_mode & 1),

@@ -187,7 +187,7 @@ def _compile_report(impl: str, pipe: bool, opt: int = 0) -> dict:
             OTMA=otma, OC=stagger.OC)
         if otma:
             descs = dict(o_desc=stagger.TensorDescriptor(torch.empty(64, 512, dtype=torch.bfloat16), [64, 512],
-                                                         [512, 1], [64, stagger.OC], stagger._out_layout()))
+                                                         [512, 1], [64, stagger.OC], stagger.out_layout()))
         else:
             ptrs["o_desc"] = torch.bfloat16
     kern = compile_sm90(fn, descs, ptrs, consts, aligned=(*ptrs, "comp_off"), num_warps=4, maxnreg=sm90.MAXNREG)
