@@ -84,7 +84,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--compile_workers", type=int, default=None, metavar="N",
                     help="per-layer compile: compile the layer kinds in N worker processes at once while the first "
                          "step runs its layers eagerly (0: in this process, one after another; default: one per kind "
-                         "on a GPU, up to half the CPUs, none on a CPU; minidi.compile's compile_workers)")
+                         "up to half the CPUs on a GPU, up to every CPU on a CPU with Inductor and >= 2 CPUs; "
+                         "minidi.compile's compile_workers)")
     ap.add_argument("--faithful_rounding", choices=("on", "off", "exact"), default="on",
                     help="on: compiled modes round where eager does (Inductor emulate_precision_casts; CPU graphs also "
                          "run ATen's reduction / transcendental kernels: bitwise eager); exact: those kernels on GPU "

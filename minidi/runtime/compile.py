@@ -181,20 +181,20 @@ class CompiledStep:
 
 
 def _precompiled_calls(cache: CompileCache | None, dynamic: bool | None, fullgraph: bool,
-                       workers: bool = False) -> PrecompiledCalls | None:
+                       workers: bool = False, cpu_simd: bool = False) -> PrecompiledCalls | None:
     """Per-layer graphs compiled ahead of time where a compile cache keeps them or compile workers compile them
     (``precompiled.py``; torch >= 2.10, whole graphs): loaded from a hit's entry, else compiled on the first step (in
     the workers, or here) and saved into the entry."""
     if (cache is None and not workers) or not fullgraph or not precompiled_available():
         return None
-    calls = PrecompiledCalls(dynamic=dynamic)
+    calls = PrecompiledCalls(dynamic=dynamic, cpu_simd=cpu_simd)
     if cache is not None and cache.status == "hit" and cache.precompiled:
         try:
             calls.loads(cache.precompiled)
         except Exception as e:  # a stale entry is compiled afresh, never half-used
             log.warning("minidi.compile: compile cache %s: precompiled graphs not loaded (%s: %s); compiling",
                         cache.path, type(e).__name__, e)
-            calls = PrecompiledCalls(dynamic=dynamic)
+            calls = PrecompiledCalls(dynamic=dynamic, cpu_simd=cpu_simd)
             cache.status, cache.reason = "miss", f"precompiled graphs unreadable ({type(e).__name__})"
         cache.load_s += calls.load_s  # the entry's load: artifacts, kernels and these graphs
     return calls
@@ -204,9 +204,13 @@ MAX_AUTO_WORKERS = 8  # compile_workers=None: at most this many processes
 
 
 def worker_count(requested: int | None, owner: Any, backend: Any, fullgraph: bool) -> int:
-    """How many compile workers a regional compile starts: ``requested`` if given (0: none); None: on a CUDA model
-    with a string backend and whole graphs, one per distinct label (layer kinds, an Engram front, the head), at most
-    half the CPUs and ``MAX_AUTO_WORKERS``; on a CPU model none (its cores are busy with the C++ compiles)."""
+    """How many compile workers a regional compile starts: ``requested`` if given (0: none). None: with a string
+    backend and whole graphs, one per distinct label (layer kinds, an Engram front, the head), at most
+    ``MAX_AUTO_WORKERS`` and, on a CUDA model, half the CPUs this process may use (each worker also compiles Triton
+    kernels in a thread pool); on a CPU model with Inductor, all of them when there are at least two (a worker's C++
+    kernels compile in one batched g++ run per graph, ``cpp_kernel_batch.py``, so its Python work and the compiler
+    share one core; tiny V4.1 on 2 cores: docs/benchmarks/README.md, round 27). Otherwise 0: one CPU, or a CPU model
+    with another backend (aot_eager compiles a kind in about the time a worker takes to start)."""
     if requested is not None:
         if requested < 0:
             raise ValueError(f"compile_workers must be >= 0 or None, got {requested}")
@@ -216,10 +220,23 @@ def worker_count(requested: int | None, owner: Any, backend: Any, fullgraph: boo
         if requested and not fullgraph:
             raise ValueError("compile_workers needs fullgraph=True (workers compile whole layer graphs)")
         return requested
-    if not isinstance(backend, str) or not fullgraph or device_of(owner).type != "cuda":
+    if not isinstance(backend, str) or not fullgraph:
         return 0
     labels = len({layer_kind(b) for b in owner.layers}) + 2
-    return max(0, min(labels, (os.cpu_count() or 1) // 2, MAX_AUTO_WORKERS))
+    cpus = usable_cpus()
+    if device_of(owner).type == "cuda":
+        return max(0, min(labels, cpus // 2, MAX_AUTO_WORKERS))
+    if backend != "inductor" or cpus < 2:
+        return 0
+    return min(labels, cpus, MAX_AUTO_WORKERS)
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity where the OS reports one, else the machine's count)."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 def share_triton_cache(owner: Any) -> None:
@@ -300,8 +317,9 @@ def compile(  # noqa: A001 (minidi.compile mirrors torch.compile)
     ``.compile_cache`` (None, or its status: ``.status`` "hit" / "miss", ``.reason``, ``.artifact_bytes``),
     ``.compile_s`` (the first call's seconds by phase) and ``.uncompile()``. ``compile_workers`` (``regional`` only):
     compile the layer kinds in that many worker processes at once while the first step runs its layers eagerly
-    (``compile_workers.py``); None: one per kind, up to half the CPUs and ``MAX_AUTO_WORKERS``, on CUDA models with
-    a string ``backend``, else 0 (in-process, one kind after another).
+    (``compile_workers.py``); None: one per kind, up to ``MAX_AUTO_WORKERS`` and half the CPUs on CUDA models, all
+    of them on CPU models with Inductor (at least two), with a string ``backend`` (``worker_count``); else 0
+    (in-process, one kind after another).
     """
     fn = model_or_step
     owner = model_or_step
@@ -346,7 +364,7 @@ def compile(  # noqa: A001 (minidi.compile mirrors torch.compile)
                             precompile_kernels=precompile_kernels, times=inner.times,  # type: ignore[attr-defined]
                             **codegen)
         n_workers = worker_count(compile_workers, owner, backend, fullgraph)
-        precompiled = _precompiled_calls(cache, dynamic, fullgraph, workers=n_workers > 0)
+        precompiled = _precompiled_calls(cache, dynamic, fullgraph, workers=n_workers > 0, cpu_simd=bool(cpu_simd))
         step = RegionalStep(owner, manager, inner, dynamic=dynamic, progress=report, first=first,
                             front_backend=fronts, head_backend=head, precompiled=precompiled, fullgraph=fullgraph,
                             **compile_kwargs)

@@ -106,6 +106,21 @@ def rounding_config(faithful: bool | str, example_inputs: list) -> contextlib.Ex
     return stack
 
 
+def scalar_cpu_patch() -> dict[str, Any]:
+    """The Inductor setting that makes CPU code scalar (``codegen_config``'s ``cpu_simd=False``)."""
+    return {"cpp.simdlen": SCALAR_SIMDLEN}
+
+
+def load_config(cpu_simd: bool) -> contextlib.AbstractContextManager:
+    """The vector-ISA setting of ``codegen_config`` for loading compiled graphs (``PrecompiledCalls.loads``): a
+    CPU graph's C++ kernels are compiled, or found already built, with the flags Inductor picks from it, so a load
+    under another setting would build every kernel again with other flags (tiny V4.1: ~7 s of g++ in the main
+    process after its compile workers had built them)."""
+    import torch._inductor.config as inductor_config
+
+    return contextlib.nullcontext() if cpu_simd else inductor_config.patch(scalar_cpu_patch())
+
+
 def codegen_config(example_inputs: list, *, autotune: bool, cpu_simd: bool) -> contextlib.ExitStack:
     """Inductor's code-generation settings for one graph, patched while it generates code (its FX graph cache keys on
     them, so a cached graph is never one generated under other settings).
@@ -140,7 +155,7 @@ def codegen_config(example_inputs: list, *, autotune: bool, cpu_simd: bool) -> c
             patch["deterministic"] = True
         patch["triton.autotune_pointwise"] = False
     if not cpu_simd and all_cpu(example_inputs):
-        patch["cpp.simdlen"] = SCALAR_SIMDLEN
+        patch.update(scalar_cpu_patch())
     if patch:
         stack.enter_context(inductor_config.patch(patch))
     if all_cpu(example_inputs):  # one g++ run per few kernels instead of one per kernel (``cpp_kernel_batch``)

@@ -17,6 +17,14 @@ machine code does not change; the libraries land in Inductor's code cache like a
 same graph hashes the same unit and loads it). A kernel whose source (and vector ISA) an earlier graph of the process
 already built is not built again, as Inductor's own cache would not (layer kinds share many kernels).
 
+Another process finds them too: each unit built leaves its source and, per kernel, the unit and slot that hold it
+in Inductor's cache folder (``INDEX_DIR``). A kernel found there loads its unit through Inductor's code cache, which
+keys the library on the unit's source and today's compile command, so it loads the library already built (or builds
+it again where the command changed). This is what lets a process load graphs that compile workers built
+(``compile_workers.py``: their units hold other sets of kernels than this process would group) or a warm start
+reuse the libraries of the run that saved its entry, without a g++ run (tiny V4.1 on 2 cores: the main process
+rebuilt ~7 s of C++ when loading its workers' graphs).
+
 Falls back to Inductor's own path, per kernel, for a source it cannot place in a namespace (a preprocessor line other
 than ``#include`` / ``#pragma``, no single ``extern "C" void kernel(``), for a torch whose binding template or code
 cache lacks what is used here, and for a unit that fails to compile (so g++'s error names the one kernel, as before).
@@ -26,6 +34,7 @@ cache lacks what is used here, and for a unit that fails to compile (so g++'s er
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import re
 import threading
@@ -38,8 +47,10 @@ _NS = "minidi_k{}"
 _STATE = threading.local()  # .active: batching() depth in this thread
 _LOCK = threading.Lock()
 _INSTALLED: list[bool] = []
-STATS = {"units": 0, "kernels": 0, "fallback_kernels": 0}  # batches compiled / kernels in them / kernels not batched
+STATS = {"units": 0, "kernels": 0, "fallback_kernels": 0, "found_kernels": 0}  # units built, kernels in them,
+# kernels not batched, kernels loaded from another process' units (``_recorded``)
 _BUILT: dict[tuple, Callable[..., Any]] = {}  # kernel key (``_key``) -> its function, built in this process
+INDEX_DIR = "minidi_cpp_units"  # in Inductor's cache folder: <unit>.cpp sources, <kernel digest>.slot -> "unit i"
 
 
 def cache_clear() -> None:
@@ -169,12 +180,83 @@ def _stock(d: _Deferred) -> Callable[..., Any]:
     return fn.result() if hasattr(fn, "result") else fn
 
 
+def _index_dir() -> str | None:
+    try:
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+        return os.path.join(cache_dir(), INDEX_DIR)
+    except (ImportError, OSError):
+        return None
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _kernel_digest(key: tuple) -> str:
+    source, argtypes, isa = key
+    return _digest("\0".join((source, "\1".join(argtypes), isa)))
+
+
+def _write_new(path: str, text: str) -> None:
+    """``text`` into ``path`` whole or not at all (another process reads it at any moment)."""
+    tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def _record(group: list[_Deferred], source: str) -> None:
+    """Leave the unit's source and each kernel's slot in it where another process looks (``_recorded``)."""
+    folder = _index_dir()
+    if folder is None:
+        return
+    unit = _digest(source)
+    try:
+        os.makedirs(folder, exist_ok=True)
+        _write_new(os.path.join(folder, f"{unit}.cpp"), source)  # anew: a damaged copy would be ignored for ever
+        for i, d in enumerate(group):
+            _write_new(os.path.join(folder, f"{_kernel_digest(d.key)}.slot"), f"{unit} {i}")
+    except OSError:  # the index only saves compiles: a folder that cannot be written costs them, nothing else
+        pass
+
+
+def _recorded(key: tuple) -> Callable[..., Any] | None:
+    """The kernel from a unit some process built (``_record``), loaded through Inductor's code cache; None where no
+    unit holds it or its files do not read back as written."""
+    folder = _index_dir()
+    if folder is None:
+        return None
+    try:
+        with open(os.path.join(folder, f"{_kernel_digest(key)}.slot")) as f:
+            unit, slot = f.read().split()
+        with open(os.path.join(folder, f"{unit}.cpp")) as f:
+            source = f.read()
+        i = int(slot)
+    except (OSError, ValueError):
+        return None
+    if _digest(source) != unit or f"namespace {_NS.format(i)} {{" not in source:
+        return None
+    from torch._inductor.codecache import CppPythonBindingsCodeCache as cache
+
+    try:
+        module = cache.load_async(source, "cpu")()  # the library built from this source and today's command
+    except Exception:  # noqa: BLE001 - a unit that no longer builds: this graph's own units are built instead
+        return None
+    fn = getattr(module, f"kernel_{i}", None)
+    if fn is not None:
+        with _LOCK:
+            STATS["found_kernels"] += 1
+    return fn
+
+
 def _compile_unit(group: list[_Deferred]) -> None:
     from torch._inductor.codecache import CppPythonBindingsCodeCache as cache
 
     try:
         binding = binding_source(cache.suffix_template, cache.call_entry_function, [d.argtypes for d in group])
-        module = cache.load_async(unit_source([d.parts for d in group], binding), "cpu")()
+        source = unit_source([d.parts for d in group], binding)
+        module = cache.load_async(source, "cpu")()
         fns = [getattr(module, f"kernel_{i}") for i in range(len(group))]
     except Exception:  # noqa: BLE001 - the stock path per kernel, whose error (if any) names its kernel
         for d in group:
@@ -187,6 +269,7 @@ def _compile_unit(group: list[_Deferred]) -> None:
             d.fn = _BUILT.setdefault(d.key, fn)
         STATS["units"] += 1
         STATS["kernels"] += len(group)
+    _record(group, source)
 
 
 def compile_pending(owner: Any) -> None:
@@ -234,6 +317,9 @@ def _cpp_pybinding(self: Any, argtypes: list[str], source_code: str) -> Any:
     key = _key(argtypes, source_code)
     if (built := _BUILT.get(key)) is not None:
         return built  # an earlier graph's kernel: Inductor's cache would hand back its library too
+    if (found := _recorded(key)) is not None:  # another process' unit holds it
+        with _LOCK:
+            return _BUILT.setdefault(key, found)
     parts = split_kernel(source_code)
     if parts is None:
         with _LOCK:
@@ -290,5 +376,5 @@ def install() -> bool:
         return ok
 
 
-__all__ = ["ENV", "STATS", "batching", "binding_source", "cache_clear", "compile_pending", "enabled", "install",
-           "split_kernel", "unit_source"]
+__all__ = ["ENV", "INDEX_DIR", "STATS", "batching", "binding_source", "cache_clear", "compile_pending", "enabled",
+           "install", "split_kernel", "unit_source"]

@@ -35,7 +35,7 @@ from typing import Any, Callable
 import torch
 
 from . import cpp_kernel_batch
-from .compile_settings import mark_leading_dims_only
+from .compile_settings import load_config, mark_leading_dims_only
 
 log = logging.getLogger("minidi.compile")
 
@@ -54,11 +54,13 @@ def available() -> bool:
 class PrecompiledCalls:
     """The ahead-of-time compiled graphs of a per-layer compile, per label (``"core <kind>"``, ``"front"``).
 
-    ``dynamic``: as ``torch.compile``'s. ``compiled``: labels compiled in this process; ``loaded``: variants read
-    by ``loads``; ``load_s``: its seconds."""
+    ``dynamic``: as ``torch.compile``'s. ``cpu_simd``: as ``minidi.compile``'s (the C++ flags ``loads`` builds or
+    finds a CPU graph's kernels with). ``compiled``: labels compiled in this process; ``loaded``: variants read by
+    ``loads``; ``load_s``: its seconds."""
 
-    def __init__(self, *, dynamic: bool | None) -> None:
+    def __init__(self, *, dynamic: bool | None, cpu_simd: bool = False) -> None:
         self.dynamic = dynamic
+        self.cpu_simd = cpu_simd
         self.fns: dict[str, list[Any]] = {}
         self.dropped: dict[str, list[str]] = {}  # guards left out of each label's last compiled variant
         self.compiled: list[str] = []
@@ -183,7 +185,8 @@ class PrecompiledCalls:
         if not isinstance(data, dict) or data.get("format") != FORMAT:
             raise ValueError(f"precompiled graphs: format {data.get('format') if isinstance(data, dict) else '?'}, "
                              f"this minidi reads {FORMAT}")
-        with cpp_kernel_batch.batching():  # a fresh machine compiles the graphs' C++ kernels (CPU) as it loads them
+        # a fresh machine compiles the graphs' C++ kernels (CPU) as it loads them, under the flags they were made for
+        with cpp_kernel_batch.batching(), load_config(self.cpu_simd):
             for label, blobs in data["fns"].items():
                 self.fns.setdefault(label, []).extend(AOTCompiledFunction.deserialize(b) for b in blobs)
                 self.loaded += len(blobs)

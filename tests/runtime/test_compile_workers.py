@@ -17,6 +17,7 @@ from torch._dynamo.backends.registry import lookup_backend
 
 import minidi
 from minidi.passes import PassMatchError
+from minidi.runtime import compile as compile_module
 from minidi.runtime.compile import worker_count
 from minidi.runtime.compile_workers import CompileWorkers, WorkerSettings
 from minidi.runtime.precompiled import PrecompiledCalls, available
@@ -141,9 +142,27 @@ def test_a_regional_strict_mismatch_in_a_worker_fails_the_first_step():
     torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("cpus, want", [(1, 0), (2, 2), (3, 3), (64, 3)])
+def test_default_workers_on_a_cpu_model(monkeypatch, cpus, want):
+    """A CPU model with Inductor: one worker per label (here one layer kind, the front and the head: 3) up to every
+    usable CPU, none on one CPU; another backend, a backend object or pieces of graphs: none."""
+    model = one_layer_model()
+    monkeypatch.setattr(compile_module, "usable_cpus", lambda: cpus)
+    assert worker_count(None, model, "inductor", True) == want
+    assert worker_count(None, model, "aot_eager", True) == 0
+    assert worker_count(None, model, lookup_backend("inductor"), True) == 0
+    assert worker_count(None, model, "inductor", False) == 0
+
+
+def test_usable_cpus_is_the_affinity():
+    import os
+
+    want = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    assert compile_module.usable_cpus() == want >= 1
+
+
 def test_worker_count_rules():
-    model = one_layer_model()  # a CPU model: none by default (its cores compile C++)
-    assert worker_count(None, model, "inductor", True) == 0
+    model = one_layer_model()
     assert worker_count(3, model, "inductor", True) == 3 and worker_count(0, model, "inductor", True) == 0
     with pytest.raises(ValueError, match=">= 0"):
         worker_count(-1, model, "inductor", True)

@@ -2,7 +2,8 @@
 
 The source surgery (a kernel into a namespace, the bindings from Inductor's template), then a real compile: the same
 results bit for bit as Inductor's per-kernel path, fewer compiler runs, the fallback per kernel when a unit fails,
-and the switch (``MINIDI_CPP_KERNEL_BATCH=0``).
+the units another process built found through the index and loaded without a compiler run, and the switch
+(``MINIDI_CPP_KERNEL_BATCH=0``).
 """
 
 from __future__ import annotations
@@ -121,6 +122,40 @@ def test_a_kernel_built_for_an_earlier_graph_is_not_built_again(warm):
     out_2, runs_2 = _compiled(True, warm / "second", fresh=False)  # the same kernels in a new graph
     assert len(runs_1) == 1 and runs_2 == [] and cb.STATS == before
     assert all(torch.equal(a, b) for a, b in zip(out_1, out_2))
+
+
+def test_kernels_another_process_built_are_loaded_not_built_again(warm, monkeypatch):
+    """A process that groups the same kernels otherwise (two compile threads here: two units) finds each of them in the
+    unit an earlier process built (the index in Inductor's cache folder) and runs no compiler."""
+    out_1, runs_1 = _compiled(True, warm / "shared")
+    assert len(runs_1) == 1
+    assert len(list((warm / "shared" / cb.INDEX_DIR).glob("*.cpp"))) == 1
+    monkeypatch.setattr("torch._inductor.async_compile.get_compile_threads", lambda: 2)
+    before = dict(cb.STATS)
+    out_2, runs_2 = _compiled(True, warm / "shared")  # this process' caches emptied, the folder kept
+    assert runs_2 == [] and cb.STATS["units"] == before["units"]
+    assert cb.STATS["found_kernels"] - before["found_kernels"] >= 3
+    assert all(torch.equal(a, b) for a, b in zip(out_1, out_2))
+
+
+def test_a_damaged_index_is_ignored_and_rewritten(warm):
+    out_1, _ = _compiled(True, warm / "damaged")
+    for f in (warm / "damaged" / cb.INDEX_DIR).glob("*.cpp"):
+        f.write_text(f.read_text().replace("kernel", "kernal", 1))
+    before = dict(cb.STATS)
+    out_2, _ = _compiled(True, warm / "damaged")  # grouped again (Inductor's cache still has the library)
+    assert cb.STATS["found_kernels"] == before["found_kernels"] and cb.STATS["units"] == before["units"] + 1
+    out_3, runs_3 = _compiled(True, warm / "damaged")
+    assert runs_3 == [] and cb.STATS["found_kernels"] > before["found_kernels"]  # the index holds again
+    assert all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(out_1, out_2, out_3))
+
+
+def test_an_index_folder_that_cannot_be_written_costs_only_the_reuse(warm, monkeypatch):
+    (warm / "a-file").write_text("")
+    monkeypatch.setattr(cb, "_index_dir", lambda: str(warm / "a-file" / cb.INDEX_DIR))
+    out_1, runs_1 = _compiled(True, warm / "unwritable")
+    out_2, runs_2 = _compiled(False, warm / "stock")
+    assert len(runs_1) == 1 and all(torch.equal(a, b) for a, b in zip(out_1, out_2))
 
 
 def test_a_unit_that_fails_falls_back_to_one_compile_per_kernel(warm, monkeypatch):

@@ -108,3 +108,25 @@ def test_loads_compiles_the_graphs_cpp_kernels_in_batches(monkeypatch):
     monkeypatch.setattr(precompiled.cpp_kernel_batch, "batching", batching)
     PrecompiledCalls(dynamic=True).loads(pickle.dumps({"format": precompiled.FORMAT, "fns": {}}))
     assert active == [True, False]
+
+
+@pytest.mark.parametrize("cpu_simd", [False, True])
+def test_loads_builds_cpu_kernels_under_the_compile_s_vector_setting(monkeypatch, cpu_simd):
+    """Graphs compiled scalar (``cpu_simd=False``: ``cpp.simdlen`` 0) are loaded under that setting too: their C++
+    kernels get the flags they were built with, so the libraries a compile worker or an earlier run built are found
+    instead of built again with the machine's vector flags; with ``cpu_simd=True`` the setting is left alone."""
+    import pickle
+
+    import torch._inductor.config as inductor_config
+    from torch._dynamo.aot_compile import AOTCompiledFunction
+
+    from minidi.runtime import precompiled
+
+    seen = []
+    monkeypatch.setattr(AOTCompiledFunction, "deserialize",
+                        staticmethod(lambda b: seen.append(inductor_config.cpp.simdlen) or b))
+    before = inductor_config.cpp.simdlen
+    calls = PrecompiledCalls(dynamic=True, cpu_simd=cpu_simd)
+    calls.loads(pickle.dumps({"format": precompiled.FORMAT, "fns": {"core kind": [b"graph"]}}))
+    assert seen == [before if cpu_simd else 0] and calls.fns == {"core kind": [b"graph"]}
+    assert inductor_config.cpp.simdlen == before
