@@ -117,16 +117,6 @@ def rs_tilings(rows_per_expert: float) -> dict[str, "rs_sm90.RsConfig"]:
             "bf16_rs_chunked": rs_sm90.EP4_CHUNKED if ep4 else rs_sm90.EP1_CHUNKED}
 
 
-def fp8_peak_tflops(device: str) -> float:
-    m = 8192
-    a = torch.randn(m, m, device=device).to(torch.float8_e4m3fn)
-    b = torch.randn(m, m, device=device).to(torch.float8_e4m3fn).t()
-    one = torch.ones((), device=device)
-    ms = common.median_ms(lambda: torch._scaled_mm(a, b, one, one, out_dtype=torch.bfloat16), device,
-                          flush_l2=False)
-    return 2 * m**3 / ms / 1e9
-
-
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", default=None)
@@ -151,7 +141,7 @@ def main(argv: list[str] | None = None) -> dict:
     torch.manual_seed(args.seed)
     pk = common.measure_peaks(device)
     if not smoke:
-        pk["fp8_tflops"] = float(f"{fp8_peak_tflops(device):.4g}")
+        pk["fp8_tflops"] = float(f"{common.fp8_peak_tflops(device):.4g}")
     dev = "cpu (smoke)" if smoke else common.device_name(device)
     gluon = not smoke and sm90.gluon_supported() and torch.cuda.get_device_capability() == (9, 0)
     common.say(f"fp8_fp4_grouped_mm bench | {dev} | torch {torch.__version__} | triton {triton.__version__} | "
