@@ -181,20 +181,20 @@ class CompiledStep:
 
 
 def _precompiled_calls(cache: CompileCache | None, dynamic: bool | None, fullgraph: bool,
-                       workers: bool = False, cpu_simd: bool = False) -> PrecompiledCalls | None:
+                       workers: bool = False, scalar_cpu: bool = False) -> PrecompiledCalls | None:
     """Per-layer graphs compiled ahead of time where a compile cache keeps them or compile workers compile them
     (``precompiled.py``; torch >= 2.10, whole graphs): loaded from a hit's entry, else compiled on the first step (in
     the workers, or here) and saved into the entry."""
     if (cache is None and not workers) or not fullgraph or not precompiled_available():
         return None
-    calls = PrecompiledCalls(dynamic=dynamic, cpu_simd=cpu_simd)
+    calls = PrecompiledCalls(dynamic=dynamic, scalar_cpu=scalar_cpu)
     if cache is not None and cache.status == "hit" and cache.precompiled:
         try:
             calls.loads(cache.precompiled)
         except Exception as e:  # a stale entry is compiled afresh, never half-used
             log.warning("minidi.compile: compile cache %s: precompiled graphs not loaded (%s: %s); compiling",
                         cache.path, type(e).__name__, e)
-            calls = PrecompiledCalls(dynamic=dynamic, cpu_simd=cpu_simd)
+            calls = PrecompiledCalls(dynamic=dynamic, scalar_cpu=scalar_cpu)
             cache.status, cache.reason = "miss", f"precompiled graphs unreadable ({type(e).__name__})"
         cache.load_s += calls.load_s  # the entry's load: artifacts, kernels and these graphs
     return calls
@@ -364,7 +364,8 @@ def compile(  # noqa: A001 (minidi.compile mirrors torch.compile)
                             precompile_kernels=precompile_kernels, times=inner.times,  # type: ignore[attr-defined]
                             **codegen)
         n_workers = worker_count(compile_workers, owner, backend, fullgraph)
-        precompiled = _precompiled_calls(cache, dynamic, fullgraph, workers=n_workers > 0, cpu_simd=bool(cpu_simd))
+        scalar_cpu = device_of(owner).type == "cpu" and not cpu_simd  # the C++ flags its graphs load with
+        precompiled = _precompiled_calls(cache, dynamic, fullgraph, workers=n_workers > 0, scalar_cpu=scalar_cpu)
         step = RegionalStep(owner, manager, inner, dynamic=dynamic, progress=report, first=first,
                             front_backend=fronts, head_backend=head, precompiled=precompiled, fullgraph=fullgraph,
                             **compile_kwargs)

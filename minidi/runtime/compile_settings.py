@@ -111,14 +111,15 @@ def scalar_cpu_patch() -> dict[str, Any]:
     return {"cpp.simdlen": SCALAR_SIMDLEN}
 
 
-def load_config(cpu_simd: bool) -> contextlib.AbstractContextManager:
-    """The vector-ISA setting of ``codegen_config`` for loading compiled graphs (``PrecompiledCalls.loads``): a
-    CPU graph's C++ kernels are compiled, or found already built, with the flags Inductor picks from it, so a load
-    under another setting would build every kernel again with other flags (tiny V4.1: ~7 s of g++ in the main
-    process after its compile workers had built them)."""
+def load_config(scalar_cpu: bool) -> contextlib.AbstractContextManager:
+    """``codegen_config``'s vector-ISA setting for loading compiled graphs (``PrecompiledCalls.loads``): a CPU
+    graph's C++ kernels are compiled, or found already built, with the flags Inductor picks from that setting, so
+    scalar graphs loaded without it would be built again with the machine's vector flags (tiny V4.1: ~7 s of g++ in
+    the main process after its compile workers had built them). ``scalar_cpu`` False (vector CPU code, or GPU
+    graphs): nothing is changed."""
     import torch._inductor.config as inductor_config
 
-    return contextlib.nullcontext() if cpu_simd else inductor_config.patch(scalar_cpu_patch())
+    return inductor_config.patch(scalar_cpu_patch()) if scalar_cpu else contextlib.nullcontext()
 
 
 def codegen_config(example_inputs: list, *, autotune: bool, cpu_simd: bool) -> contextlib.ExitStack:

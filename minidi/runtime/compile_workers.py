@@ -223,7 +223,7 @@ def _compile_job(settings: WorkerSettings, data: bytes) -> dict[str, Any]:
     backend = make_backend(manager, settings.backend, faithful_rounding=settings.faithful_rounding,
                            autotune=settings.autotune, cpu_simd=settings.cpu_simd,
                            precompile_kernels=settings.precompile_kernels)
-    calls = PrecompiledCalls(dynamic=settings.dynamic, cpu_simd=settings.cpu_simd)
+    calls = PrecompiledCalls(dynamic=settings.dynamic)  # dumps only
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:

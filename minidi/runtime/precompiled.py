@@ -54,13 +54,14 @@ def available() -> bool:
 class PrecompiledCalls:
     """The ahead-of-time compiled graphs of a per-layer compile, per label (``"core <kind>"``, ``"front"``).
 
-    ``dynamic``: as ``torch.compile``'s. ``cpu_simd``: as ``minidi.compile``'s (the C++ flags ``loads`` builds or
-    finds a CPU graph's kernels with). ``compiled``: labels compiled in this process; ``loaded``: variants read by
-    ``loads``; ``load_s``: its seconds."""
+    ``dynamic``: as ``torch.compile``'s. ``scalar_cpu``: the graphs are CPU graphs compiled with scalar C++
+    (``minidi.compile``'s ``cpu_simd=False`` on a CPU model): ``loads`` builds or finds their kernels under that
+    setting. ``compiled``: labels compiled in this process; ``loaded``: variants read by ``loads``; ``load_s``: its
+    seconds."""
 
-    def __init__(self, *, dynamic: bool | None, cpu_simd: bool = False) -> None:
+    def __init__(self, *, dynamic: bool | None, scalar_cpu: bool = False) -> None:
         self.dynamic = dynamic
-        self.cpu_simd = cpu_simd
+        self.scalar_cpu = scalar_cpu
         self.fns: dict[str, list[Any]] = {}
         self.dropped: dict[str, list[str]] = {}  # guards left out of each label's last compiled variant
         self.compiled: list[str] = []
@@ -186,7 +187,7 @@ class PrecompiledCalls:
             raise ValueError(f"precompiled graphs: format {data.get('format') if isinstance(data, dict) else '?'}, "
                              f"this minidi reads {FORMAT}")
         # a fresh machine compiles the graphs' C++ kernels (CPU) as it loads them, under the flags they were made for
-        with cpp_kernel_batch.batching(), load_config(self.cpu_simd):
+        with cpp_kernel_batch.batching(), load_config(self.scalar_cpu):
             for label, blobs in data["fns"].items():
                 self.fns.setdefault(label, []).extend(AOTCompiledFunction.deserialize(b) for b in blobs)
                 self.loaded += len(blobs)

@@ -110,11 +110,11 @@ def test_loads_compiles_the_graphs_cpp_kernels_in_batches(monkeypatch):
     assert active == [True, False]
 
 
-@pytest.mark.parametrize("cpu_simd", [False, True])
-def test_loads_builds_cpu_kernels_under_the_compile_s_vector_setting(monkeypatch, cpu_simd):
-    """Graphs compiled scalar (``cpu_simd=False``: ``cpp.simdlen`` 0) are loaded under that setting too: their C++
-    kernels get the flags they were built with, so the libraries a compile worker or an earlier run built are found
-    instead of built again with the machine's vector flags; with ``cpu_simd=True`` the setting is left alone."""
+@pytest.mark.parametrize("scalar_cpu", [True, False])
+def test_loads_builds_cpu_kernels_under_the_compile_s_vector_setting(monkeypatch, scalar_cpu):
+    """CPU graphs compiled scalar (``cpp.simdlen`` 0) are loaded under that setting too: their C++ kernels get the
+    flags they were built with, so the libraries a compile worker or an earlier run built are found instead of built
+    again with the machine's vector flags; otherwise (vector CPU code, GPU graphs) the setting is left alone."""
     import pickle
 
     import torch._inductor.config as inductor_config
@@ -126,7 +126,7 @@ def test_loads_builds_cpu_kernels_under_the_compile_s_vector_setting(monkeypatch
     monkeypatch.setattr(AOTCompiledFunction, "deserialize",
                         staticmethod(lambda b: seen.append(inductor_config.cpp.simdlen) or b))
     before = inductor_config.cpp.simdlen
-    calls = PrecompiledCalls(dynamic=True, cpu_simd=cpu_simd)
+    calls = PrecompiledCalls(dynamic=True, scalar_cpu=scalar_cpu)
     calls.loads(pickle.dumps({"format": precompiled.FORMAT, "fns": {"core kind": [b"graph"]}}))
-    assert seen == [before if cpu_simd else 0] and calls.fns == {"core kind": [b"graph"]}
+    assert seen == [0 if scalar_cpu else before] and calls.fns == {"core kind": [b"graph"]}
     assert inductor_config.cpp.simdlen == before
