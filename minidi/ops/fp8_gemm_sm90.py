@@ -351,7 +351,7 @@ if HAVE_GLUON:
             tma.store_wait(0)
 
     @gluon.jit
-    def _fp8_gemm_sm90_kernel(a_desc, b_desc, sx_desc, sw_desc, c_desc, sx_ptr, sw_ptr, out_ptr,
+    def _fp8_gemm_sm90_gluon(a_desc, b_desc, sx_desc, sw_desc, c_desc, sx_ptr, sw_ptr, out_ptr,
                               M, N, K, NUM_PROGS, stride_sx, stride_sw, stride_o,
                               BN: gl.constexpr, NS: gl.constexpr, GROUP_M: gl.constexpr, BLK: gl.constexpr,
                               U: gl.constexpr, PIPE: gl.constexpr, ABLATE: gl.constexpr, EPI_TMA: gl.constexpr,
@@ -465,7 +465,7 @@ def fp8_gemm_sm90(q: torch.Tensor, s_x: torch.Tensor, w: torch.Tensor, w_scale: 
                                                            out if epi_tma else None)
     tiles = triton.cdiv(m, BM) * triton.cdiv(n, cfg.BN)
     progs = max(1, min(num_sms(q.device) * cfg.progs_per_sm, tiles))
-    _fp8_gemm_sm90_kernel[(progs,)](
+    _fp8_gemm_sm90_gluon[(progs,)](
         a_desc, b_desc, sx_desc, sw_desc, c_desc, s_x, w_scale_t, out, m, n, k, progs, s_x.stride(0),
         w_scale_t.stride(0), out.stride(0), BN=cfg.BN, NS=cfg.NS, GROUP_M=cfg.GROUP_M, BLK=block, U=u, PIPE=cfg.PIPE,
         ABLATE=cfg.ABLATE, EPI_TMA=epi_tma, PREFETCH=cfg.PREFETCH, num_warps=8, maxnreg=cfg.maxnreg)

@@ -149,7 +149,7 @@ def test_kernel_compiles_for_sm90a_with_pipelined_wgmma(case):
     ptrs = dict(sx_ptr=torch.float32, sw_ptr=torch.float32, out_ptr=torch.bfloat16)
     consts = dict(BN=cfg.BN, NS=cfg.NS, GROUP_M=cfg.GROUP_M, BLK=block, U=cfg.U, PIPE=cfg.PIPE, ABLATE=cfg.ABLATE,
                   EPI_TMA=cfg.EPI_TMA, PREFETCH=cfg.PREFETCH)
-    kern = compile_sm90(g._fp8_gemm_sm90_kernel, descs, ptrs, consts, num_warps=8, maxnreg=cfg.maxnreg)
+    kern = compile_sm90(g._fp8_gemm_sm90_gluon, descs, ptrs, consts, num_warps=8, maxnreg=cfg.maxnreg)
     ptx = kern.asm["ptx"]
     blocks = cfg.U * 128 // block  # K blocks per loop iteration
     mmas = re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n{cfg.BN}k32\.f32\.e4m3\.e4m3", ptx)
