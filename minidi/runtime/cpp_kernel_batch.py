@@ -51,12 +51,14 @@ STATS = {"units": 0, "kernels": 0, "fallback_kernels": 0, "found_kernels": 0}  #
 # kernels not batched, kernels loaded from another process' units (``_recorded``)
 _BUILT: dict[tuple, Callable[..., Any]] = {}  # kernel key (``_key``) -> its function, built in this process
 INDEX_DIR = "minidi_cpp_units"  # in Inductor's cache folder: <unit>.cpp sources, <kernel digest>.slot -> "unit i"
+_UNITS: dict[tuple[str, str], Any] = {}  # (index folder, unit digest) -> its module, loaded by ``_recorded`` here
 
 
 def cache_clear() -> None:
     """Forget the kernels built so far (registered with Inductor's ``fresh_cache``, which clears its own)."""
     with _LOCK:
         _BUILT.clear()
+        _UNITS.clear()
 
 
 def enabled() -> bool:
@@ -201,9 +203,13 @@ def _kernel_digest(key: tuple) -> str:
 def _write_new(path: str, text: str) -> None:
     """``text`` into ``path`` whole or not at all (another process reads it at any moment)."""
     tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
 
 
 def _record(group: list[_Deferred], source: str) -> None:
@@ -230,24 +236,39 @@ def _recorded(key: tuple) -> Callable[..., Any] | None:
     try:
         with open(os.path.join(folder, f"{_kernel_digest(key)}.slot")) as f:
             unit, slot = f.read().split()
-        with open(os.path.join(folder, f"{unit}.cpp")) as f:
-            source = f.read()
         i = int(slot)
     except (OSError, ValueError):
         return None
-    if _digest(source) != unit or f"namespace {_NS.format(i)} {{" not in source:
-        return None
-    from torch._inductor.codecache import CppPythonBindingsCodeCache as cache
-
-    try:
-        module = cache.load_async(source, "cpu")()  # the library built from this source and today's command
-    except Exception:  # noqa: BLE001 - a unit that no longer builds: this graph's own units are built instead
-        return None
+    module = _UNITS.get((folder, unit))  # a unit's other kernels: loaded once, not read and hashed per kernel
+    if module is None:
+        module = _load_unit(folder, unit)
+        if module is None:
+            return None
+        with _LOCK:
+            module = _UNITS.setdefault((folder, unit), module)
     fn = getattr(module, f"kernel_{i}", None)
     if fn is not None:
         with _LOCK:
             STATS["found_kernels"] += 1
     return fn
+
+
+def _load_unit(folder: str, unit: str) -> Any:
+    """The module of a recorded unit (its source read back and checked against its digest), through Inductor's code
+    cache: the library built from this source and today's compile command; None where it does not read or build."""
+    try:
+        with open(os.path.join(folder, f"{unit}.cpp")) as f:
+            source = f.read()
+    except OSError:
+        return None
+    if _digest(source) != unit:
+        return None
+    from torch._inductor.codecache import CppPythonBindingsCodeCache as cache
+
+    try:
+        return cache.load_async(source, "cpu")()
+    except Exception:  # noqa: BLE001 - a unit that no longer builds: this graph's own units are built instead
+        return None
 
 
 def _compile_unit(group: list[_Deferred]) -> None:
