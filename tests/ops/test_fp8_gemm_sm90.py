@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from minidi import formats
 from minidi.ops import fp8_gemm_sm90 as g
+from minidi.ops.fp8_gemm import fp8_gemm_ref
 
 gpu = pytest.mark.gpu
 POISON = 12345.0
@@ -76,18 +77,18 @@ def test_module_is_inert_without_a_hopper_gpu():
 def test_reference_equals_the_models_bf16_path(block):
     """fp8_gemm_ref on the split = F.linear(fq8(x), dequant_fp8(w)) up to the order of the sums (fp32 here)."""
     x, q, s, w, codes = make(37, 72, 256, block, seed=block)
-    ref = g.fp8_gemm_ref(q, s, w, codes, block, torch.float32)
+    ref = fp8_gemm_ref(q, s, w, codes, block, torch.float32)
     xq = formats.fq8_split(x, block)
     xf = (xq[0].float() * xq[1].repeat_interleave(block, 1))
     want = F.linear(xf, formats.dequant_fp8(w, codes, block, torch.float32))
     torch.testing.assert_close(ref, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
-    assert torch.equal(g.fp8_gemm_ref(q, s, w, formats.e8m0_to_float(codes), block, torch.float32), ref)
+    assert torch.equal(fp8_gemm_ref(q, s, w, formats.e8m0_to_float(codes), block, torch.float32), ref)
 
 
 def test_reference_propagates_nan_scale_code():
     x, q, s, w, codes = make(5, 64, 128, 32, seed=3)
     codes[1, 2] = 255  # weight rows 32..63, K block 2
-    ref = g.fp8_gemm_ref(q, s, w, codes, 32, torch.float32)
+    ref = fp8_gemm_ref(q, s, w, codes, 32, torch.float32)
     assert torch.isnan(ref[:, 32:64]).all() and not torch.isnan(ref[:, :32]).any()
 
 
@@ -108,7 +109,7 @@ def test_argument_checks_name_what_is_wrong(what, args, msg):
                 block=32, out_dtype=torch.bfloat16)
     base.update(args)
     with pytest.raises(ValueError, match=msg):
-        g.fp8_gemm_ref(**base)
+        fp8_gemm_ref(**base)
     with pytest.raises(ValueError, match=msg):
         g.fp8_gemm_sm90(**base)
 
