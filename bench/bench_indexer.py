@@ -16,9 +16,10 @@ inexact tiles) in the same run, each with its error vs float64 on sampled rows; 
 promotion (``promote``), the rebase / fixup costs, and a run with 0.1 % of the key rows made inexact (the fallback's
 cost). % of peak against the FP8 dense peak measured here with ``torch._scaled_mm`` (quoted 1,438) and the bf16 one
 (quoted 785). ``--only fp8e2e``: pass B's whole call, native vs FP8. ``--only cand`` (``indexer_candidate_cases.py``):
-a V4.1 re-index layer, B's dense FP8 path on the candidate mask beside pass M's candidate-only op.
+a V4.1 re-index layer, B's dense FP8 path on the candidate mask beside pass M's candidate-only op. ``--only src``
+(``indexer_source_cases.py``): the candidate source's block selection, the model's chain beside pass T's op.
 
-Usage: python bench/bench_indexer.py [--out PATH] [--no-compile] [--only score,topk,fp8,fp8e2e,cand]
+Usage: python bench/bench_indexer.py [--out PATH] [--no-compile] [--only score,topk,fp8,fp8e2e,cand,src]
 Prints a card, tables, and as the LAST line one JSON object.
 """
 
@@ -40,10 +41,12 @@ if __package__:  # python -m bench.bench_indexer, the tests
     from . import common
     from . import indexer_candidate_cases as cand_cases
     from . import indexer_fp8_cases as fp8_cases
+    from . import indexer_source_cases as src_cases
 else:  # python bench/bench_indexer.py: the script's folder is sys.path[0]
     import common
     import indexer_candidate_cases as cand_cases
     import indexer_fp8_cases as fp8_cases
+    import indexer_source_cases as src_cases
 
 T, H, D, N, K, PREFIX = 4096, 32, 128, 131072, 512, 126976
 DEV = "cuda"
@@ -168,6 +171,8 @@ def main() -> None:
         fp8_cases.bench_fp8_e2e(res, shape, ks, ke)
     if "cand" in parts:
         cand_cases.bench_candidates(res, shape, ks, ke, smoke=args.smoke)
+    if "src" in parts:
+        src_cases.bench_candidate_source(res, shape, ks, ke, peaks, args.no_compile, smoke=args.smoke)
     if not parts & {"score", "topk"}:  # the FP8 / candidate parts alone
         res["wall_s"] = time.time() - t_start
         common.emit_json(res, out=args.out)

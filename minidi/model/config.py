@@ -179,6 +179,10 @@ class ModelConfig:
             and not self.is_kv_source(layer)
         )
 
+    def is_candidate_source(self, layer: int) -> bool:
+        """V4.1: the index-source layer whose scores pick the candidate blocks the re-index layers score inside."""
+        return self.is_v41 and layer == self.candidate_source_layer and self.is_index_source(layer)
+
     def is_hash_layer(self, layer: int) -> bool:
         return layer < self.n_hash_layers
 

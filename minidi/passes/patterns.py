@@ -302,3 +302,39 @@ def topk_set_call(node, s: Node) -> tuple[object, object, set[Node]] | None:
         return None
     nodes = {node, srt, ti, ti.args[0], rank_, gt, inner, eq, neg, j, key, nan, thr, pad, tv, tv.args[0]}
     return kk, j.args[0], nodes
+
+
+def picks_of(node) -> tuple[Node, object, object, set[Node]] | None:
+    """node = the indexer's ``_pick(s, K)`` (``minidi.model.indexer``) as Dynamo inlines it -> (s, K, N of the
+    arange, its nodes)::
+
+        idx0 = topk_set(s, K)                                                  # see ``topk_set_call``
+        idx1 = where(s.gather(1, idx0) > -inf, idx0, AFTER).sort(dim=-1)[0]    # AFTER: a sentinel past every column
+        node = idx1.masked_fill(idx1 == AFTER, -1)                             # -inf picks last, as -1
+    """
+    if not (is_call(node, "masked_fill") and n_args(node) == 3 and is_literal(arg(node, 2, "value"), -1)):
+        return None
+    idx1, eq = node.args[0], arg(node, 1, "mask")
+    if not (is_call(eq, "eq") and len(eq.args) == 2 and eq.args[0] is idx1 and isinstance(eq.args[1], int)):
+        return None
+    after = eq.args[1]
+    if after < 2**31:
+        return None
+    srt = sorted_along_last(idx1)
+    if srt is None or not (is_call(srt.args[0], "where") and len(srt.args[0].args) == 3):
+        return None
+    sel = srt.args[0]
+    gt, idx0 = sel.args[0], sel.args[1]
+    if not (is_literal(sel.args[2], after) and is_call(gt, "gt") and is_literal(gt.args[1], -math.inf)):
+        return None
+    ga = gt.args[0]
+    if not (is_call(ga, "gather") and n_args(ga) == 3 and dims_equal(arg(ga, 1, "dim"), 1, -1)):
+        return None
+    if arg(ga, 2, "index") is not idx0:
+        return None
+    scores = ga.args[0]
+    chosen = topk_set_call(idx0, scores)
+    if chosen is None:
+        return None
+    kk, n_cols, set_nodes = chosen
+    return scores, kk, n_cols, {node, eq, idx1, srt, sel, gt, ga} | set_nodes

@@ -43,7 +43,7 @@ from minidi.ops.indexer_score import indexer_topk
 from .base import Match, Rewrite
 from .fx_utils import (arg, const_number, dims_equal, dtype, is_call, is_literal, n_args, normalize_einsum, rank,
                        same_int, val)
-from .patterns import sorted_along_last, topk_set_call
+from .patterns import picks_of
 
 _QK = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -81,33 +81,10 @@ class IndexerTopK(Rewrite):
     name = "indexer_topk"
 
     def match(self, node: Node) -> Match | None:  # noqa: C901
-        # node = idx1.masked_fill(idx1 == AFTER, -1); idx1 = where(s.gather(1, idx0) > -inf, idx0, AFTER).sort(-1)[0]
-        if not (is_call(node, "masked_fill") and n_args(node) == 3 and is_literal(arg(node, 2, "value"), -1)):
+        picks = picks_of(node)  # node = _pick(scores, K): the top-k set, ascending, -1 for -inf picks
+        if picks is None:
             return None
-        idx1, eq = node.args[0], arg(node, 1, "mask")
-        if not (is_call(eq, "eq") and len(eq.args) == 2 and eq.args[0] is idx1 and isinstance(eq.args[1], int)):
-            return None
-        after = eq.args[1]  # a sentinel past every column: -inf picks sort last
-        if after < 2**31:
-            return None
-        srt = sorted_along_last(idx1)
-        if srt is None or not (is_call(srt.args[0], "where") and len(srt.args[0].args) == 3):
-            return None
-        sel = srt.args[0]
-        gt, idx0 = sel.args[0], sel.args[1]
-        if not (is_literal(sel.args[2], after) and is_call(gt, "gt") and is_literal(gt.args[1], -math.inf)):
-            return None
-        ga = gt.args[0]
-        if not (is_call(ga, "gather") and n_args(ga) == 3 and dims_equal(arg(ga, 1, "dim"), 1, -1)):
-            return None
-        if arg(ga, 2, "index") is not idx0:
-            return None
-        scores = ga.args[0]
-        chosen = topk_set_call(idx0, scores)
-        if chosen is None:
-            return None
-        kk, n_cols, set_nodes = chosen
-        nodes = {node, eq, idx1, srt, sel, gt, ga} | set_nodes
+        scores, kk, n_cols, nodes = picks
         # optional: scores = s1.masked_fill(~allowed, -inf)
         allowed = None
         s1 = scores

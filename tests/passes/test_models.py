@@ -57,11 +57,11 @@ def test_every_site_matched(compiled):
     if compiled.name == "tiny-v41":
         assert compiled.manager.counts == {"C": 10, "E": 10, "D": 30, "A": 10, "B": 4, "F": 20, "J": 20, "K": 20,
                                            "G": 20, "H": 10, "I": 10, "L": 0,
-                                           "M": 1, "N": 76, "R": 0, "O": 1, "P": 10, "Q": 10,
+                                           "M": 1, "T": 1, "N": 76, "R": 0, "O": 1, "P": 10, "Q": 10,
                                            "S": 4}  # L, R: fake quant off; S: 2 ratio-2 kv sources
     else:  # F, J: two mixers per layer + V4's hc_head
         assert compiled.manager.counts == {"C": 4, "E": 4, "D": 12, "A": 4, "B": 2, "F": 9, "J": 9, "K": 8, "G": 8,
-                                           "H": 4, "I": 4, "L": 0, "M": 0, "N": 30, "R": 0, "O": 1, "P": 3,
+                                           "H": 4, "I": 4, "L": 0, "M": 0, "T": 0, "N": 30, "R": 0, "O": 1, "P": 3,
                                            "Q": 4, "S": 10}  # P: layer 0 is hash-routed; L, R: fake quant off
 
 
@@ -85,6 +85,7 @@ def test_naive_ops_gone(compiled):
         "minidi.ops.sparse_attention.sparse_attention": want["A"],
         "minidi.ops.indexer_score.indexer_topk": want["B"] - want["M"],  # M took the re-index layers' calls
         "minidi.ops.indexer_candidates.indexer_topk_candidates": want["M"],
+        "minidi.ops.candidate_blocks.candidate_blocks": want["T"],
         "minidi.ops.moe_combine.moe_combine": want["C"],
         "minidi.ops.fp4_grouped_gemm.fp4_grouped_mm": want["D"],
         "minidi.ops.gate_tf32x3.gate_tf32x3": want["E"] + want["S"],  # the router, the compressors' GEMMs (J took
@@ -233,7 +234,7 @@ def test_second_tiny_config_counts_traced():
     model = minidi.load_model("tiny-v41-b", dtype="float32", fake_quant=False)
     want = {k: len(v) for k, v in expected_sites(model.cfg).items()}
     assert trace_counts(model, 24) == want == {"A": 8, "B": 3, "C": 8, "D": 24, "E": 8, "F": 16, "J": 16, "K": 16,
-                                                "G": 16, "H": 8, "I": 8, "L": 0, "M": 1,
+                                                "G": 16, "H": 8, "I": 8, "L": 0, "M": 1, "T": 1,
                                                 "N": 60, "R": 0, "O": 1, "P": 8, "Q": 8, "S": 2}
 
 
