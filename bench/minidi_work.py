@@ -52,7 +52,7 @@ from typing import Callable, NamedTuple
 
 import triton
 
-from minidi.ops import expert_order, gate_tf32x3, hc_mix, head_logits
+from minidi.ops import candidate_blocks, expert_order, gate_tf32x3, hc_mix, head_logits
 
 if __package__:
     from .op_work import TensorArg, tensor_args
@@ -258,7 +258,20 @@ def _moe_combine(c: Call) -> dict[str, Work]:
             "_combine_kernel": Work(combine, basis=c.local_basis)}
 
 
+def _candidate_blocks(c: Call) -> dict[str, Work]:
+    """scores [T, N], k_start, k_end [T], keep, block -> block maxima [T, NB] fp32; the selection (rows of at most
+    ``MAX_REGISTER_NB`` blocks) reads them (again after its bisection: from L2) and writes ids [T, min(keep, NB)]."""
+    scores, keep, block = c.t(0), c.int(3), c.int(4)
+    t, n = scores.dims
+    nb = -(-n // block)
+    out = {"_block_max_kernel": Work(_size(scores) + _size(c.t(1)) + _size(c.t(2)) + t * nb * 4)}
+    if nb <= candidate_blocks.MAX_REGISTER_NB and min(keep, nb):
+        out["_block_select_kernel"] = Work(t * nb * 4 + t * min(keep, nb) * 8)
+    return out
+
+
 KERNELS: dict[str, Callable[[Call], dict[str, Work]]] = {
+    "minidi::candidate_blocks": _candidate_blocks,
     "minidi::hc_expand": _hc_expand,
     "minidi::hc_mix_partials": _hc_mix,
     "minidi::hc_sinkhorn": _hc_sinkhorn,
