@@ -25,6 +25,15 @@ kernel per linear per step that moves 3 bytes a weight (round 20: 7.6 ms a step 
 21). Weights past the budget are dequantised every call, as before; a long-context run short of memory sets a lower
 budget.
 
+FP8 tensor cores (``MINIDI_FP8_GEMM``, read every call; issue 21): "off" (the default) keeps the bf16 GEMM above.
+"128" runs linears whose weight tiles and input blocks are both 128 (V4-Flash) on the block-scaled FP8 GEMM
+(``fp8_gemm_sm90``: ``fq8_split`` of the input, e4m3 x e4m3 products with each 128-block promoted in fp32: the
+model's products, summed in another order), where that kernel can run (sm_90, Triton 3.6); "all" also takes 32-blocks
+(V4.1), slower than bf16 in round 27. The FP8 route keeps no bf16 weight copy (the weights' E8M0 scales, transposed
+for the kernel, are kept per weight). It is not the default until the numerics harness has judged it at full size on
+a GPU. Linears whose input pass R already quantised (act_block 0) keep the bf16 GEMM: their input's block is not
+known to the op.
+
 Backends: "auto" (the kernels where they can run, else the reference), "triton", "ref" (``fp8_linear_ref``, plain
 torch from ``minidi.formats``, whose ``dequant_fp8`` is the model's own; behind an opaque op so that a CPU graph
 holds one node too).
@@ -51,6 +60,8 @@ ACT_BLOCKS = (0, *FQ8_BLOCKS)  # 0: the input is not fake-quantised (no fake qua
 WEIGHT_BLOCKS = (32, 128)
 SCALE_DTYPES = (torch.uint8, torch.float8_e8m0fnu)
 WEIGHT_CACHE_ENV = "MINIDI_FP8_WEIGHT_CACHE_GB"
+FP8_GEMM_ENV = "MINIDI_FP8_GEMM"
+FP8_GEMM_MODES = {"off": (), "128": (128,), "all": (32, 128)}  # mode -> the blocks it runs on FP8 tensor cores
 WEIGHT_CACHE_DEFAULT_GB = {"cuda": 32.0}  # by device type; other devices: 0 (off)
 _WEIGHT_CACHE = "fp8_linear dequantised weights"
 
@@ -119,6 +130,38 @@ def dequant_weight(weight: torch.Tensor, scale: torch.Tensor, block: int, dtype:
                              size=weight.numel() * dtype.itemsize, group=_WEIGHT_CACHE)
 
 
+def fp8_gemm_blocks() -> tuple[int, ...]:
+    """The blocks ``MINIDI_FP8_GEMM`` sends to the FP8 tensor-core GEMM (see the module doc)."""
+    mode = os.environ.get(FP8_GEMM_ENV, "off")
+    if mode not in FP8_GEMM_MODES:
+        raise ValueError(f"{FP8_GEMM_ENV} must be one of {sorted(FP8_GEMM_MODES)}, got {mode!r}")
+    return FP8_GEMM_MODES[mode]
+
+
+def fp8_gemm_route(x: torch.Tensor, weight: torch.Tensor, weight_block: int, act_block: int) -> bool:
+    """Whether this call runs on the FP8 GEMM: its blocks selected by ``MINIDI_FP8_GEMM``, the input's fq8 block
+    equal to the weight's tile (the kernel's one ``block``), and the kernel able to run on these tensors."""
+    blocks = fp8_gemm_blocks()  # (a bad setting fails on every device, not only where the kernel could run)
+    if act_block != weight_block or act_block not in blocks or not (x.is_cuda and weight.is_cuda):
+        return False
+    from .fp8_gemm_sm90 import can_run
+
+    return can_run(x.reshape(-1, x.shape[-1]), weight, weight_block)
+
+
+def fp8_gemm_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: int) -> torch.Tensor:
+    """``F.linear(fq8(x, block), dequant_fp8(weight, scale, block))`` on FP8 tensor cores: the input split into
+    e4m3 + scales (``fq8_split``), the block-scaled FP8 GEMM (``fp8_gemm_sm90``), out in x's dtype."""
+    from .fp8_gemm_sm90 import fp8_gemm_sm90, weight_scale_t
+    from .fp8_quant import fq8_split
+
+    q, s = fq8_split(x.reshape(-1, x.shape[-1]), block, backend="triton")
+    scale_t = cached_per_tensor(f"fp8_linear weight_scale_t {block}", weight, lambda _: weight_scale_t(scale),
+                                also=(scale,))  # keyed on the weight: the op gets a new view of its scale each call
+    y = fp8_gemm_sm90(q, s, weight, scale, block, out_dtype=x.dtype, w_scale_t=scale_t)
+    return y.view(*x.shape[:-1], weight.shape[0])
+
+
 def _check(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, weight_block: int, act_block: int) -> None:
     def fail(what: str) -> None:
         raise ValueError(f"fp8_linear: {what}")
@@ -156,6 +199,8 @@ def _fp8_linear_op(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, w
     if not triton_can_run(x, weight, scale):
         raise cannot_run("minidi::fp8_linear", x, weight, scale)
     x = x.contiguous()
+    if fp8_gemm_route(x, weight, weight_block, act_block):
+        return fp8_gemm_linear(x, weight, scale, weight_block)
     xq = fq8_launch(x, act_block) if act_block else x
     return F.linear(xq, dequant_weight(weight, scale, weight_block, x.dtype))
 

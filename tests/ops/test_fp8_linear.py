@@ -16,6 +16,13 @@ gpu = pytest.mark.gpu
 DEVICES = ["cpu", pytest.param("cuda", marks=gpu)]
 
 
+@pytest.fixture(autouse=True)
+def bf16_gemm(monkeypatch):
+    """These tests hold the default bf16 GEMM to the model's bits: whatever the environment says
+    (``MINIDI_FP8_GEMM``; the FP8 route's tests: ``test_fp8_linear_route.py``)."""
+    monkeypatch.delenv("MINIDI_FP8_GEMM", raising=False)
+
+
 def wide(shape, gen, dtype=torch.bfloat16) -> torch.Tensor:
     """Values over 2^-24 .. 2^12 (blocks span the amax floor, e4m3 subnormals, ties) and one all-zero block."""
     x = torch.randn(shape, generator=gen) * torch.exp2(torch.randint(-24, 12, shape, generator=gen).float())
