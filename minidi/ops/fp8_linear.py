@@ -2,7 +2,8 @@
 the GEMM) behind one graph node, with the same result bit for bit.
 
     y = fp8_linear(x, weight, scale, weight_block, act_block)
-    # = F.linear(fq8(x, act_block), dequant_fp8(weight, scale, weight_block, x.dtype))   (act_block 0: x as it is)
+    # = F.linear(fq8(x, act_block), dequant_fp8(weight, scale, weight_block, x.dtype))   (act_block 0: x as it is;
+    #   act_block -b: x is fq8(., b) already, pass R's shared fq8: used as it is, its block known)
 
 Why an op and not Inductor's code: inlined, the two helper chains are about half of a layer graph's nodes (a tiny
 V4.1 layer: ~370 of ~750 Dynamo nodes over its 8 FP8 linears), and every one of them is traced, functionalised,
@@ -31,8 +32,9 @@ FP8 tensor cores (``MINIDI_FP8_GEMM``, read every call; issue 21): "off" (the de
 model's products, summed in another order), where that kernel can run (sm_90, Triton 3.6); "all" also takes 32-blocks
 (V4.1), slower than bf16 in round 27. The FP8 route keeps no bf16 weight copy (the weights' E8M0 scales, transposed
 for the kernel, are kept per weight). It is not the default until the numerics harness has judged it at full size on
-a GPU. Linears whose input pass R already quantised (act_block 0) keep the bf16 GEMM: their input's block is not
-known to the op.
+a GPU. Linears whose input pass R already quantised (act_block -b) take the route too: ``fq8_split`` of an fq8
+output is exact (q * s equals it), so their products are the bf16 GEMM's. An input of act_block 0 (no fake quant)
+is not fq8 values: the bf16 GEMM.
 
 Backends: "auto" (the kernels where they can run, else the reference), "triton", "ref" (``fp8_linear_ref``, plain
 torch from ``minidi.formats``, whose ``dequant_fp8`` is the model's own; behind an opaque op so that a CPU graph
@@ -56,7 +58,7 @@ from ._weight_cache import cached_bytes, cached_per_tensor
 from .fq8 import BLOCKS as FQ8_BLOCKS
 from .fq8 import X_DTYPES, fq8_launch, fq8_ref
 
-ACT_BLOCKS = (0, *FQ8_BLOCKS)  # 0: the input is not fake-quantised (no fake quant, or pass R's shared fq8)
+ACT_BLOCKS = (0, *FQ8_BLOCKS, *(-b for b in FQ8_BLOCKS))  # 0: no fq8 (fake quant off); -b: x is fq8(., b) already
 WEIGHT_BLOCKS = (32, 128)
 SCALE_DTYPES = (torch.uint8, torch.float8_e8m0fnu)
 WEIGHT_CACHE_ENV = "MINIDI_FP8_WEIGHT_CACHE_GB"
@@ -69,8 +71,8 @@ _WEIGHT_CACHE = "fp8_linear dequantised weights"
 # ---- reference -----------------------------------------------------------------------------------------------------
 def fp8_linear_ref(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, weight_block: int,
                    act_block: int) -> torch.Tensor:
-    """Plain torch: ``F.linear(fq8(x), dequant_fp8(weight, scale))`` (act_block 0: no fq8)."""
-    xq = fq8_ref(x, act_block) if act_block else x
+    """Plain torch: ``F.linear(fq8(x), dequant_fp8(weight, scale))`` (act_block <= 0: no fq8)."""
+    xq = fq8_ref(x, act_block) if act_block > 0 else x
     return F.linear(xq, dequant_fp8(weight, scale, weight_block, x.dtype))
 
 
@@ -140,9 +142,10 @@ def fp8_gemm_blocks() -> tuple[int, ...]:
 
 def fp8_gemm_route(x: torch.Tensor, weight: torch.Tensor, weight_block: int, act_block: int) -> bool:
     """Whether this call runs on the FP8 GEMM: its blocks selected by ``MINIDI_FP8_GEMM``, the input's fq8 block
-    equal to the weight's tile (the kernel's one ``block``), and the kernel able to run on these tensors."""
+    equal to the weight's tile (the kernel's one ``block``; -block: the input is fq8 already), and the kernel able to
+    run on these tensors."""
     blocks = fp8_gemm_blocks()  # (a bad setting fails on every device, not only where the kernel could run)
-    if act_block != weight_block or act_block not in blocks or not (x.is_cuda and weight.is_cuda):
+    if abs(act_block) != weight_block or weight_block not in blocks or not (x.is_cuda and weight.is_cuda):
         return False
     from .fp8_gemm_sm90 import can_run
 
@@ -173,12 +176,13 @@ def _check(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, weight_bl
     if weight_block not in WEIGHT_BLOCKS:
         fail(f"weight_block must be one of {WEIGHT_BLOCKS}, got {weight_block}")
     if act_block not in ACT_BLOCKS:
-        fail(f"act_block must be one of {ACT_BLOCKS} (0: no fq8 of the input), got {act_block}")
+        fail(f"act_block must be one of {ACT_BLOCKS} (0: no fq8 of the input; -b: the input is fq8 in blocks of b "
+             f"already), got {act_block}")
     n, k = weight.shape
     if x.shape[-1] != k:
         fail(f"x's last dim {x.shape[-1]} is not the weight's K {k} (weight {tuple(weight.shape)})")
-    if act_block and k % act_block:
-        fail(f"K {k} is not a multiple of act_block {act_block} (fq8 blocks along K)")
+    if act_block and k % abs(act_block):
+        fail(f"K {k} is not a multiple of act_block {abs(act_block)} (fq8 blocks along K)")
     tiles = (-(-n // weight_block), -(-k // weight_block))
     if scale.dtype not in SCALE_DTYPES or tuple(scale.shape) != tiles:
         fail(f"scale must be E8M0 codes (uint8 / float8_e8m0fnu) of shape {tiles} (ceil of {tuple(weight.shape)} / "
@@ -201,7 +205,7 @@ def _fp8_linear_op(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, w
     x = x.contiguous()
     if fp8_gemm_route(x, weight, weight_block, act_block):
         return fp8_gemm_linear(x, weight, scale, weight_block)
-    xq = fq8_launch(x, act_block) if act_block else x
+    xq = fq8_launch(x, act_block) if act_block > 0 else x
     return F.linear(xq, dequant_weight(weight, scale, weight_block, x.dtype))
 
 
@@ -224,7 +228,8 @@ def _(x, weight, scale, weight_block, act_block):
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, weight_block: int, act_block: int,
                backend: str = "auto") -> torch.Tensor:
     """x [..., K] bf16 | fp32; weight [N, K] float8_e4m3fn; scale [ceil(N / weight_block), ceil(K /
-    weight_block)] E8M0 codes (uint8 or float8_e8m0fnu); act_block 32 | 128 (fq8 of x along K) or 0 (x as it is).
+    weight_block)] E8M0 codes (uint8 or float8_e8m0fnu); act_block 32 | 128 (fq8 of x along K), 0 (x as it is) or
+    -32 | -128 (x as it is, known to be fq8 in those blocks: pass R's shared fq8).
     -> [..., N] in x's dtype, equal bit for bit to ``F.linear(fq8(x, act_block), dequant_fp8(weight, scale,
     weight_block, x.dtype))`` on finite inputs (see the module doc). ``backend``: "auto" | "triton" | "ref"."""
     _check(x, weight, scale, weight_block, act_block)

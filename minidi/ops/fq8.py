@@ -5,8 +5,9 @@
     # y = e4m3(clamp(x / s, +-448)) * s, rounded once to x's dtype (exact: an e4m3 value times a power of two)
 
 Users: ``fp8_linear`` (pass N) runs the kernel on its input when its ``act_block`` is set; pass R inserts this op
-once where several FP8 linears read one input with one act_block, and calls them with act_block 0 (its result is
-then "x as it is"): ``fq8(x)`` once instead of once per linear, the same bits (``docs/passes.md``).
+once where several FP8 linears read one input with one act_block, and calls them with -act_block (its result is
+then "x as it is", known to be fq8 in those blocks): ``fq8(x)`` once instead of once per linear, the same bits
+(``docs/passes.md``).
 
 Kernel ``_fq8_kernel`` (Triton; the interpreter runs it on CPU tensors), memory-bound: one program per ``BLOCKS``
 blocks of the row-major input; amax per block, the scale from its bits (``pow2_ceil``), the quotient by 1 / scale (a

@@ -35,7 +35,7 @@ class Match:
     # must read another value once it is spliced (a profiler stage marker on a tensor the replacement absorbs)
     reroute: list[tuple[Node, Node, Node | None]] = field(default_factory=list)
     # (node outside the subgraph, position in its args, new literal): arguments that change with the splice (pass R:
-    # a linear that reads the shared fq8 result instead of its input takes act_block 0)
+    # a linear that reads the shared fq8 result instead of its input takes act_block -b)
     set_args: list[tuple[Node, int, Any]] = field(default_factory=list)
     mutation_start: Node | None = None  # where the mutation check starts (default: the subgraph's first node)
 

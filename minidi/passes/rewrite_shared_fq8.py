@@ -13,14 +13,15 @@ the MoE input; in an index-source layer also attention's wq_b and the indexer's 
 Replacement (the fq8 op inserted before the first of them, which keep their nodes)::
 
     xq = fq8(x, act_block)
-    a  = fp8_linear(xq, wa, sa, block, 0)              # act_block 0: the input as it is
+    a  = fp8_linear(xq, wa, sa, block, -act_block)     # -act_block: the input as it is, known to be fq8 (the FP8
+                                                       # route's fq8_split of it is exact)
     stage_mark(xq, "indexer", True)                    # moved to xq: it still orders b after it
-    b  = fp8_linear(xq, wb, sb, block, 0)
+    b  = fp8_linear(xq, wb, sb, block, -act_block)
 
 Exact: ``fq8`` runs the kernel ``fp8_linear`` runs on its input (``minidi/ops/fq8.py``), on the same contiguous
 values, and each linear then makes the same ``F.linear`` call on the same bits (``tests/passes/
 test_rewrite_shared_fq8.py``). One match per group of linears, anchored at its first. Refused: calls with another
-act_block or another input node (a view or copy of x is another node: never merged), act_block 0, and a group whose x
+act_block or another input node (a view or copy of x is another node: never merged), act_block <= 0, and a group whose x
 some in-place op (a stage marker aside) takes between the first and the last linear (the later linears would read x
 as it was at the first). A stage marker on x between the linears moves to xq where only the group reads x after it:
 a marker orders kernels by their data, and the later linears now read xq (left on x, the indexer's marker on the
@@ -72,7 +73,7 @@ class SharedFq8(Rewrite):
             return None  # one match per group, at its first linear
         return Match(anchor=node, nodes=set(), target=fq8, args=(x, act_block), kwargs={"backend": self.op_backend},
                      reroute=[(u, x, None) for u in group + _markers_between(x, group, order)],
-                     set_args=[(u, ACT_BLOCK, 0) for u in group])
+                     set_args=[(u, ACT_BLOCK, -act_block) for u in group])
 
 
 def _markers_between(x: Node, group: list[Node], order: dict[Node, int]) -> list[Node]:

@@ -52,7 +52,8 @@ def test_route_needs_the_mode_equal_blocks_and_a_gpu(monkeypatch):
     monkeypatch.setattr(sm90, "can_run", lambda q, w, block: True)
     assert fl.fp8_gemm_route(x, w, 128, 128) and fl.fp8_gemm_route(x, w, 32, 32)
     assert not fl.fp8_gemm_route(x, w, 128, 32) and not fl.fp8_gemm_route(x, w, 32, 128)
-    assert not fl.fp8_gemm_route(x, w, 128, 0)  # pass R's pre-quantised input: its block is not known
+    assert fl.fp8_gemm_route(x, w, 128, -128)  # pass R's shared fq8: the input is fq8 in blocks of 128 already
+    assert not fl.fp8_gemm_route(x, w, 128, 0) and not fl.fp8_gemm_route(x, w, 128, -32)  # not fq8 / another block
     monkeypatch.setenv(fl.FP8_GEMM_ENV, "128")
     assert fl.fp8_gemm_route(x, w, 128, 128) and not fl.fp8_gemm_route(x, w, 32, 32)
     monkeypatch.setenv(fl.FP8_GEMM_ENV, "off")
@@ -76,8 +77,8 @@ def test_plumbing_with_the_reference_gemm(monkeypatch, block):
     gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
     x = torch.randn(3, 5, 256, generator=gen).bfloat16()
     w, s = weights(72, 256, block, gen)
-    for _ in range(2):
-        got = fl.fp8_linear(x, w, s, block, block, backend="triton")
+    for xin, ab in ((x, block), (fq8(x, block), -block)):  # own fq8; pass R's shared one (the split is exact)
+        got = fl.fp8_linear(xin, w, s, block, ab, backend="triton")
         assert got.shape == (3, 5, 72) and got.dtype == torch.bfloat16
         exact, bound = exact_and_bound(x.view(15, 256), w, s, block, 0.0)
         assert ((got.view(15, 72).double() - exact).abs() <= bound).all()

@@ -1,7 +1,7 @@
 """minidi::fq8 (pass R's op: one fq8 of an input several FP8 linears read) against the model's ``quant.fq8``: bit for
 bit on finite blocks, on the interpreter and the GPU, for both backends; its kernel's ties, saturation and poisoned
-blocks; ``fp8_linear`` on its result with act_block 0 equal to ``fp8_linear`` with the act_block (what pass R relies
-on); bad input named; opcheck."""
+blocks; ``fp8_linear`` on its result with act_block -b (fq8 already) equal to ``fp8_linear`` with the act_block (what
+pass R relies on); bad input named; opcheck."""
 
 from __future__ import annotations
 
@@ -81,15 +81,16 @@ def test_op_equals_the_model_bit_for_bit(device, backend, shape, block, dtype, t
                                                   ((3, 5, 256), 130, 128, 128, torch.bfloat16),
                                                   ((6, 160), 48, 32, 32, torch.float32)])
 def test_fp8_linear_on_the_shared_fq8_is_fp8_linear(device, backend, shape, n, wb, ab, dtype):
-    """What pass R relies on: ``fp8_linear(fq8(x), ..., act_block=0)`` is ``fp8_linear(x, ..., act_block)`` bit for
-    bit, for each of several linears on one x."""
+    """What pass R relies on: ``fp8_linear(fq8(x), ..., act_block=-b)`` (and 0) is ``fp8_linear(x, ..., act_block)``
+    bit for bit, for each of several linears on one x."""
     gen = torch.Generator().manual_seed(sum(shape) + n)
     x = wide(shape, gen, dtype).to(device)
     xq = fq8(x, ab, backend=backend)
     for _ in range(2):
         w, s = (t.to(device) for t in weights(n, shape[-1], wb, gen))
-        assert same_bits(fp8_linear(xq, w, s, wb, 0, backend=backend).cpu(),
-                         fp8_linear(x, w, s, wb, ab, backend=backend).cpu())
+        want = fp8_linear(x, w, s, wb, ab, backend=backend).cpu()
+        assert same_bits(fp8_linear(xq, w, s, wb, -ab, backend=backend).cpu(), want)
+        assert same_bits(fp8_linear(xq, w, s, wb, 0, backend=backend).cpu(), want)
 
 
 def test_ref_is_the_model():

@@ -1,8 +1,8 @@
 """Pass R (shared_fq8) on the model's own ``FP8Linear``: FP8 linears that read one input with one act_block get one
-``fq8`` op and take its result with act_block 0. The rewritten graph (expecttest snapshot), exact counts in strict
-mode, outputs equal to the uncompiled module and to pass N alone bit for bit; what must not be merged (another input
-node, another act_block, an input written between the readers); the groups of the tiny models. Refresh the snapshot
-with ``EXPECTTEST_ACCEPT=1 pytest tests/passes/test_rewrite_shared_fq8.py``."""
+``fq8`` op and take its result with act_block -b (fq8 already). The rewritten graph (expecttest snapshot), exact
+counts in strict mode, outputs equal to the uncompiled module and to pass N alone bit for bit; what must not be merged
+(another input node, another act_block, an input written between the readers); the groups of the tiny models. Refresh
+the snapshot with ``EXPECTTEST_ACCEPT=1 pytest tests/passes/test_rewrite_shared_fq8.py``."""
 
 from __future__ import annotations
 
@@ -78,15 +78,15 @@ class GraphModule(torch.nn.Module):
         l_self_modules_b_parameters_weight_ = L_self_modules_b_parameters_weight_
         l_x_ = L_x_
         fq8: "bf16[6, 64]" = minidi_ops_fq8_fq8(l_x_, 32, backend = 'auto')
-        fp8_linear: "bf16[6, 40]" = minidi_ops_fp8_linear_fp8_linear(fq8, l_self_modules_a_parameters_weight_, l_self_modules_a_parameters_scale_, 32, 0, backend = 'auto');  l_self_modules_a_parameters_weight_ = l_self_modules_a_parameters_scale_ = None
+        fp8_linear: "bf16[6, 40]" = minidi_ops_fp8_linear_fp8_linear(fq8, l_self_modules_a_parameters_weight_, l_self_modules_a_parameters_scale_, 32, -32, backend = 'auto');  l_self_modules_a_parameters_weight_ = l_self_modules_a_parameters_scale_ = None
         stage_mark_default = torch.ops.minidi.stage_mark.default(fq8, 'indexer', True);  stage_mark_default = None
-        fp8_linear_1: "bf16[6, 24]" = minidi_ops_fp8_linear_fp8_linear(fq8, l_self_modules_b_parameters_weight_, l_self_modules_b_parameters_scale_, 32, 0, backend = 'auto');  fq8 = l_self_modules_b_parameters_weight_ = l_self_modules_b_parameters_scale_ = None
+        fp8_linear_1: "bf16[6, 24]" = minidi_ops_fp8_linear_fp8_linear(fq8, l_self_modules_b_parameters_weight_, l_self_modules_b_parameters_scale_, 32, -32, backend = 'auto');  fq8 = l_self_modules_b_parameters_weight_ = l_self_modules_b_parameters_scale_ = None
         stage_mark_default_1 = torch.ops.minidi.stage_mark.default(l_x_, 'indexer', False);  l_x_ = stage_mark_default_1 = None
         return (fp8_linear, fp8_linear_1)
 """)
     (fq,) = calls(after, fq8)
     assert fq.args == (fq.args[0], 32) and fq.kwargs == {"backend": op_backend}
-    assert [c.args[0] is fq and c.args[4] == 0 for c in calls(after, fp8_linear)] == [True, True]
+    assert [c.args[0] is fq and c.args[4] == -32 for c in calls(after, fp8_linear)] == [True, True]
     # the marker between the readers moved to the fq8 result (it orders b after it); the one after them stays on x
     enter, leave = [n for n in after.graph.nodes if is_stage_marker(n)]
     assert enter.args[0] is fq and leave.args[0] is fq.args[0]
@@ -119,7 +119,7 @@ def test_other_inputs_and_blocks_are_not_merged():
     assert fq.args[1] == 32
     blocks = {c.meta["nn_module_stack"][next(reversed(c.meta["nn_module_stack"]))][0].split(".")[-1]:
               (c.args[0] is fq, c.args[4]) for c in calls(after, fp8_linear)}
-    assert blocks == {"a": (True, 0), "b": (True, 0), "c": (False, 32), "d": (False, 128)}, blocks
+    assert blocks == {"a": (True, -32), "b": (True, -32), "c": (False, 32), "d": (False, 128)}, blocks
     want = Apart.forward(module, x)
     assert all(same_bits(g, w) for g, w in zip(got, want))
     # the check can tell: merging c or d into x's fq8 would give other bits
