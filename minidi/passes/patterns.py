@@ -338,3 +338,14 @@ def picks_of(node) -> tuple[Node, object, object, set[Node]] | None:
         return None
     kk, n_cols, set_nodes = chosen
     return scores, kk, n_cols, {node, eq, idx1, srt, sel, gt, ga} | set_nodes
+
+
+def picks_width(kk) -> int | None:
+    """The K of ``picks_of`` / ``topk_set_call`` where the model wrote ``min(K, N)``: a literal (static N), or
+    ``sym_min(K, N)`` (symbolic N) -> K; None otherwise. The sym_min node is never part of a match's nodes: Dynamo
+    may share one between layers."""
+    if isinstance(kk, Node):
+        if is_call(kk, "sym_min") and len(kk.args) == 2 and isinstance(kk.args[0], int):
+            return kk.args[0]
+        return None
+    return kk if isinstance(kk, int) else None

@@ -32,7 +32,7 @@ from minidi.ops.candidate_blocks import candidate_blocks
 
 from .base import Match, Rewrite
 from .fx_utils import arg, dims_equal, is_call, is_literal, n_args, rank, same_int, val
-from .patterns import only_users, picks_of
+from .patterns import only_users, picks_of, picks_width
 
 
 def _block_maxima(bs: Node) -> tuple[Node, int, set[Node]] | None:
@@ -137,13 +137,8 @@ class CandidateBlocks(Rewrite):
         nb = val(bs).shape[1]
         if not same_int(n_cols, nb):
             return None
-        if isinstance(kk, Node):  # min(keep, NB) with a symbolic NB
-            if not (is_call(kk, "sym_min") and len(kk.args) == 2 and isinstance(kk.args[0], int)):
-                return None
-            keep = kk.args[0]  # (not in ``nodes``: Dynamo may share one sym_min node)
-        elif isinstance(kk, int):
-            keep = kk
-        else:
+        keep = picks_width(kk)  # min(keep, NB)
+        if keep is None:
             return None
         nodes |= max_nodes | force_nodes
         if not all(only_users(n, nodes) for n in nodes - {node}):

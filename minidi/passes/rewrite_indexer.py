@@ -43,7 +43,7 @@ from minidi.ops.indexer_score import indexer_topk
 from .base import Match, Rewrite
 from .fx_utils import (arg, const_number, dims_equal, dtype, is_call, is_literal, n_args, normalize_einsum, rank,
                        same_int, val)
-from .patterns import picks_of
+from .patterns import picks_of, picks_width
 
 _QK = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -135,14 +135,8 @@ class IndexerTopK(Rewrite):
         if kt.args[1] != qdt or wt.args[1] != qdt:
             return None
         nodes |= {s0, mul, relu, wu, wt, qk, kt}
-        # the top-k width is min(topk, N): a literal, or sym_min(topk, N)
-        if isinstance(kk, Node):
-            if not (is_call(kk, "sym_min") and len(kk.args) == 2 and isinstance(kk.args[0], int)):
-                return None
-            topk = kk.args[0]  # (not in ``nodes``: Dynamo shares one sym_min node between layers)
-        elif isinstance(kk, int):
-            topk = kk
-        else:
+        topk = picks_width(kk)  # the top-k width is min(topk, N)
+        if topk is None:
             return None
         # the op's contract
         if rank(q) != 3 or rank(k) != 2 or rank(w) != 2 or qdt not in _QK or dtype(k) not in _QK:
