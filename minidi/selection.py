@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 _NOT_PICKED = torch.iinfo(torch.int32).min  # rank of a value below the k-th largest (tie ranks are -j >= -(N - 1))
+_AFTER_ALL = 1 << 62  # sorts a -inf pick after every column
 
 
 def topk_set(x: torch.Tensor, k: int) -> torch.Tensor:
@@ -44,3 +45,13 @@ def topk_lowest_index(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tens
     vals = x.gather(-1, idx)
     order = vals.masked_fill(vals.isnan(), float("inf")).sort(dim=-1, descending=True, stable=True).indices
     return vals.gather(-1, order), idx.gather(-1, order)  # stable: ties keep the ascending index order
+
+
+def topk_picks(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """The indexer's picks of scores [T, N]: the top-k set (``topk_set``: ties to the lowest column, NaN as +inf),
+    ascending, then -1 for picks scored -inf (or NaN). [T, k] int64: the Triton top-k's output order, so that both
+    attend to the same keys in one order. The model's indexer and candidate blocks use it (``_pick`` there), and so
+    does the reference of pass T's op."""
+    idx = topk_set(scores, k)  # [T, k] ascending
+    idx = torch.where(scores.gather(1, idx) > float("-inf"), idx, _AFTER_ALL).sort(dim=-1).values
+    return idx.masked_fill(idx == _AFTER_ALL, -1)

@@ -50,7 +50,7 @@ class Attention(nn.Module):
         self.kv_source, self.index_source = cfg.is_kv_source(layer_id), cfg.is_index_source(layer_id)
         self.owns_index_keys = cfg.owns_index_keys(layer_id)
         self.candidate_filtered = cfg.is_candidate_filtered(layer_id)
-        self.candidate_source = layer_id == cfg.candidate_source_layer
+        self.candidate_source = cfg.is_candidate_source(layer_id)
         self.v4_indexer = not cfg.is_v41 and cfg.has_indexer(layer_id)
         if cfg.is_kv_source(layer_id):
             self.compressor = CompressorV41(cfg, self.ratio) if cfg.is_v41 else CompressorV4(cfg, self.ratio, d)

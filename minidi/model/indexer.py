@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minidi.selection import topk_set
+from minidi.selection import topk_picks
 
 from .compressor import CompressorV4
 from .config import ModelConfig
@@ -18,7 +18,6 @@ from .layers import FP8Linear, Linear, RMSNorm, apply_rope
 from .quant import fq4_ue8m0, hadamard
 
 
-_AFTER_ALL = 1 << 62  # sorts a -inf pick after every column
 _PICK_BYTES = 16  # the top-k's temporaries per score (the NaN-free copy, masks, int32 ranks, the top-k's own)
 
 
@@ -32,12 +31,7 @@ def _head_weighted_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor) -> 
     return (scores.relu() * w.to(q.dtype).unsqueeze(-1)).sum(dim=1)
 
 
-def _pick(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """The indexer's picks of scores [T, N]: the top-k set (ties to the lowest column), ascending, then -1 for picks
-    scored -inf. [T, k] int64: the Triton top-k's output order, so that both attend to the same keys in one order."""
-    idx = topk_set(scores, k)  # [T, k] ascending
-    idx = torch.where(scores.gather(1, idx) > float("-inf"), idx, _AFTER_ALL).sort(dim=-1).values
-    return idx.masked_fill(idx == _AFTER_ALL, -1)
+_pick = topk_picks  # the indexer's picks: the top-k set ascending, -1 for -inf picks (``minidi.selection``)
 
 
 def indexer_topk_naive(

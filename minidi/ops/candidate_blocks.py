@@ -15,7 +15,7 @@ Kernels (Triton; the interpreter runs them on CPU tensors):
 - ``_block_select_kernel``: one program per row holds the row's NB maxima in registers (NB <= ``MAX_REGISTER_NB``):
   the order-preserving int32 key of each (NaN ranked as +inf, -0.0 as +0.0: ``topk_set``'s order), the K-th
   largest key by a 32-step bisection, every key above it and the lowest-index keys equal to it (exactly K), then
-  the picks with a finite or +inf max in ascending order and -1 for the rest (-inf and NaN maxima), as ``_pick``.
+  the picks with a finite or +inf max in ascending order and -1 for the rest (-inf and NaN maxima), as ``topk_picks``.
 Rows of more than ``MAX_REGISTER_NB`` blocks (contexts past 131,072 compressed entries at blocks of 8) take the
 maxima from the kernel and the model's selection in plain torch (``pick_blocks_ref``), today's cost.
 
@@ -32,14 +32,13 @@ import torch
 import triton
 import triton.language as tl
 
-from minidi.selection import topk_set
+from minidi.selection import topk_picks
 
 from ._triton_utils import cannot_run, resolve_backend, triton_can_run
 from .topk import _key, _kth
 
 MAX_REGISTER_NB = 16384  # blocks a row may have for the in-register selection (V4.1-Flash at 128K: exactly this)
 _SCORE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_AFTER_ALL = 1 << 62  # the reference's sort key of a dropped pick: after every block id
 _INT32_MIN = tl.constexpr(-(2**31))  # a key below every score's (key(-inf) = -2,139,095,041)
 
 
@@ -58,11 +57,9 @@ def block_max_ref(scores: torch.Tensor, k_start: torch.Tensor, k_end: torch.Tens
 
 
 def pick_blocks_ref(bm: torch.Tensor, keep: int) -> torch.Tensor:
-    """The model's ``_pick`` on block maxima [T, NB]: the top min(keep, NB) (ties to the lowest id, NaN as +inf),
-    ascending, then -1 for picks whose max is -inf or NaN."""
-    idx = topk_set(bm, min(keep, bm.shape[1]))
-    idx = torch.where(bm.gather(1, idx) > float("-inf"), idx, _AFTER_ALL).sort(dim=-1).values
-    return idx.masked_fill(idx == _AFTER_ALL, -1)
+    """The model's picks on block maxima [T, NB] (``minidi.selection.topk_picks``): the top min(keep, NB) (ties to
+    the lowest id, NaN as +inf), ascending, then -1 for picks whose max is -inf or NaN."""
+    return topk_picks(bm, min(keep, bm.shape[1]))
 
 
 def candidate_blocks_ref(scores: torch.Tensor, k_start: torch.Tensor, k_end: torch.Tensor, keep: int,
@@ -106,9 +103,7 @@ def _block_select_kernel(bm_ptr, out_ptr, NB, stride_b, stride_o, K: tl.constexp
     ties = (key == thr).to(tl.int32)
     tie_rank = tl.cumsum(ties, axis=0)  # 1-based, in id order: the lowest ids win the ties
     picked = above | ((ties > 0) & (tie_rank <= K - tl.sum(above.to(tl.int32), axis=0)))
-    # NaN and -inf maxima: picked, then dropped to -1 at the end (read again, not held through the bisection:
-    # 16,384 values held twice spilled)
-    good = picked & (tl.load(bm_row + c, mask=real, other=float("-inf")) > float("-inf"))
+    good = picked & (v > float("-inf"))  # NaN and -inf maxima: picked, then dropped to -1 at the end
     bad = picked & ~good
     n_good = tl.sum(good.to(tl.int32), axis=0)
     out_row = out_ptr + row.to(tl.int64) * stride_o

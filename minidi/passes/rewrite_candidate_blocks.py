@@ -102,7 +102,8 @@ def _newest_forced(x: Node, bs: Node, block: int) -> tuple[Node, Node, set[Node]
     if not (is_call(div, "floordiv") and len(div.args) == 2 and is_literal(div.args[1], block)):
         return None
     clamp = div.args[0]
-    if not (is_call(clamp, "clamp") and is_literal(arg(clamp, 1, "min", None), 0) and arg(clamp, 2, "max", None) is None):
+    if not (is_call(clamp, "clamp") and is_literal(arg(clamp, 1, "min", None), 0)
+            and arg(clamp, 2, "max", None) is None):
         return None
     sub = clamp.args[0]
     if not (is_call(sub, "sub") and len(sub.args) == 2 and is_literal(sub.args[1], 1)):
