@@ -6,7 +6,8 @@ T), beside pass T's op (``minidi.ops.candidate_blocks``) and its two kernels, sa
 Workload: bench_indexer's shape (T 4,096 x N 131,072 fp32 scores, causal after a 126,976-key prefix: -inf past
 k_end), random scores. Bytes: the block maxima read the scores once (T N 4 B = 2.15 GB) and write T NB 4 B (0.27 GB);
 the selection reads the maxima (twice: before and after its bisection, the second from L2) and writes the ids.
-Checks: every path's ids equal the model's, element for element.
+Also the step's form (pass B's fp32 scores, the model's chain on their bf16 rounding): stock compile of it beside the
+op with ``round_to`` bf16. Checks: every path's ids equal the model's, element for element.
 """
 
 from __future__ import annotations
@@ -64,6 +65,21 @@ def bench_candidate_source(res: dict, s: Shape, ks, ke, peaks: dict, no_compile:
         del comp
     ms_op = s.timed(lambda: cb.candidate_blocks(scores, ks, ke, keep, block))
     _row(out, "pass T's op (candidate_blocks)", ms_op, read + written, peaks, base)
+    # the step's form: pass B's fp32 scores, the model's chain on their bf16 rounding (before T: Inductor fused the
+    # cast into its block-max kernel; T without round_to made it write the bf16 copy for the op to read)
+    want16 = model_candidate_blocks(scores.bfloat16(), ks, ke, keep, block)
+    checks["op_round_bf16"] = torch.equal(cb.candidate_blocks(scores, ks, ke, keep, block, torch.bfloat16), want16)
+    if not no_compile:
+        comp16 = torch.compile(lambda x: model_candidate_blocks(x.bfloat16(), ks, ke, keep, block), dynamic=False)
+        checks["stock_compile_bf16"] = torch.equal(comp16(scores), want16)
+        base16 = s.timed(lambda: comp16(scores), rep=20)
+        _row(out, "model chain on bf16(scores), stock compile", base16, None, peaks)
+        del comp16
+    else:
+        base16 = None
+    ms_op16 = s.timed(lambda: cb.candidate_blocks(scores, ks, ke, keep, block, torch.bfloat16))
+    _row(out, "pass T's op, round_to bf16", ms_op16, read + written, peaks, base16)
+    del want16
     ms_bm = s.timed(lambda: cb.block_max_launch(scores, ks, ke, block))
     _row(out, "  block maxima kernel", ms_bm, read + written, peaks)
     bm = cb.block_max_launch(scores, ks, ke, block)

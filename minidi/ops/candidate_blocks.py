@@ -1,7 +1,7 @@
 """T: the V4.1 candidate source layer's pre-filter as one op: block maxima of the indexer scores, the newest visible
 block forced, the top blocks by max, ascending ids (``minidi.model.indexer.candidate_blocks``, pass T).
 
-    ids = candidate_blocks(scores, k_start, k_end, keep, block)   # [T, min(keep, NB)] int64, NB = cdiv(N, block)
+    ids = candidate_blocks(scores, k_start, k_end, keep, block, round_to)  # [T, min(keep, NB)] int64, NB = cdiv(N, B)
 
 The model's chain (block maxima through a padded view, a scatter for the forced block, ``topk_set`` = two
 ``torch.topk`` and sorts, a gather, a sort) runs at V4.1-Flash's shape ([4,096, 131,072] fp32 scores, blocks of 8,
@@ -12,6 +12,8 @@ Kernels (Triton; the interpreter runs them on CPU tensors):
 - ``_block_max_kernel``: grid (T, NB / NBT): a [NBT, block] tile of a row's scores per program, one coalesced read,
   the max of each block in fp32 (NaN if the block holds one: ``torch.maximum`` propagates NaN), -inf past N, and
   the row's newest visible block ((max(k_end, 1) - 1) // block) set to +inf when k_end > k_start. -> [T, NB] fp32.
+  With ``round_to`` each max is rounded to that dtype first: the model's blocks of ``scores.to(bf16)`` from pass B's
+  fp32 scores, read once (without it Inductor writes the bf16 copy for the op to read: 2.5 ms a step, H100).
 - ``_block_select_kernel``: one program per row holds the row's NB maxima in registers (NB <= ``MAX_REGISTER_NB``):
   the order-preserving int32 key of each (NaN ranked as +inf, -0.0 as +0.0: ``topk_set``'s order), the K-th
   largest key by a 32-step bisection, every key above it and the lowest-index keys equal to it (exactly K), then
@@ -34,20 +36,24 @@ import triton.language as tl
 
 from minidi.selection import topk_picks
 
-from ._triton_utils import cannot_run, resolve_backend, triton_can_run
+from ._triton_utils import cannot_run, resolve_backend, round_bf16, triton_can_run
 from .topk import _key, _kth
 
 MAX_REGISTER_NB = 16384  # blocks a row may have for the in-register selection (V4.1-Flash at 128K: exactly this)
 _SCORE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_ROUND_CODES = {None: 0, torch.bfloat16: 1, torch.float16: 2}  # round_to -> the block-max kernel's ROUND
 _INT32_MIN = tl.constexpr(-(2**31))  # a key below every score's (key(-inf) = -2,139,095,041)
 
 
 # ---- reference -----------------------------------------------------------------------------------------------------
-def block_max_ref(scores: torch.Tensor, k_start: torch.Tensor, k_end: torch.Tensor, block: int) -> torch.Tensor:
-    """[T, N] -> [T, NB] fp32: each block's max (NaN propagates, -inf past N), the newest visible block +inf."""
+def block_max_ref(scores: torch.Tensor, k_start: torch.Tensor, k_end: torch.Tensor, block: int,
+                  round_to: torch.dtype | None = None) -> torch.Tensor:
+    """[T, N] -> [T, NB] fp32: each block's max (NaN propagates, -inf past N) of the scores rounded to ``round_to``
+    (None: as they are), the newest visible block +inf."""
     t, n = scores.shape
     nb = -(-n // block)
-    padded = torch.nn.functional.pad(scores.float(), (0, nb * block - n), value=float("-inf"))
+    s = scores if round_to is None else scores.to(round_to)
+    padded = torch.nn.functional.pad(s.float(), (0, nb * block - n), value=float("-inf"))
     bm = padded.view(t, nb, block).amax(-1)
     if nb == 0:  # no block to force (the model's scatter fails here; the op returns no ids)
         return bm
@@ -63,15 +69,16 @@ def pick_blocks_ref(bm: torch.Tensor, keep: int) -> torch.Tensor:
 
 
 def candidate_blocks_ref(scores: torch.Tensor, k_start: torch.Tensor, k_end: torch.Tensor, keep: int,
-                         block: int) -> torch.Tensor:
-    """Plain torch: the model's ``candidate_blocks`` (``minidi.model.indexer``), written with ``amax``."""
-    return pick_blocks_ref(block_max_ref(scores, k_start, k_end, block), keep)
+                         block: int, round_to: torch.dtype | None = None) -> torch.Tensor:
+    """Plain torch: the model's ``candidate_blocks`` (``minidi.model.indexer``) of ``scores.to(round_to)``,
+    written with ``amax``."""
+    return pick_blocks_ref(block_max_ref(scores, k_start, k_end, block, round_to), keep)
 
 
 # ---- kernels -------------------------------------------------------------------------------------------------------
 @triton.jit
 def _block_max_kernel(s_ptr, ks_ptr, ke_ptr, out_ptr, N, NB, stride_s, stride_o,
-                      BLOCK: tl.constexpr, BP: tl.constexpr, NBT: tl.constexpr):
+                      BLOCK: tl.constexpr, BP: tl.constexpr, NBT: tl.constexpr, ROUND: tl.constexpr):
     row = tl.program_id(0)
     b = tl.program_id(1) * NBT + tl.arange(0, NBT)  # block ids of this program
     i = tl.arange(0, BP)
@@ -81,6 +88,10 @@ def _block_max_kernel(s_ptr, ks_ptr, ke_ptr, out_ptr, N, NB, stride_s, stride_o,
     mx = tl.max(x, axis=1)
     has_nan = tl.max((x != x).to(tl.int32), axis=1) > 0
     mx = tl.where(has_nan, float("nan"), mx)
+    if ROUND == 1:  # the max of the rounded scores = the rounded max: rounding is monotone
+        mx = round_bf16(mx)
+    elif ROUND == 2:
+        mx = mx.to(tl.float16).to(tl.float32)
     ks = tl.load(ks_ptr + row)
     ke = tl.load(ke_ptr + row)
     newest = tl.maximum(ke - 1, 0) // BLOCK
@@ -112,7 +123,8 @@ def _block_select_kernel(bm_ptr, out_ptr, NB, stride_b, stride_o, K: tl.constexp
 
 
 # ---- launchers -----------------------------------------------------------------------------------------------------
-def block_max_launch(scores: torch.Tensor, k_start: torch.Tensor, k_end: torch.Tensor, block: int) -> torch.Tensor:
+def block_max_launch(scores: torch.Tensor, k_start: torch.Tensor, k_end: torch.Tensor, block: int,
+                     round_to: torch.dtype | None = None) -> torch.Tensor:
     """``block_max_ref`` by ``_block_max_kernel`` (scores with a unit column stride)."""
     t, n = scores.shape
     nb = -(-n // block)
@@ -122,7 +134,7 @@ def block_max_launch(scores: torch.Tensor, k_start: torch.Tensor, k_end: torch.T
         nbt = max(1, min(triton.next_power_of_2(nb), 4096 // bp))  # 4,096 scores a program
         _block_max_kernel[(t, triton.cdiv(nb, nbt))](
             scores, k_start, k_end, out, n, nb, scores.stride(0), out.stride(0), BLOCK=block, BP=bp, NBT=nbt,
-            num_warps=4)
+            ROUND=_ROUND_CODES[round_to], num_warps=4)
     return out
 
 
@@ -149,22 +161,23 @@ def select_launch(bm: torch.Tensor, keep: int, out: torch.Tensor | None = None, 
 # ---- custom op -----------------------------------------------------------------------------------------------------
 @torch.library.custom_op("minidi::candidate_blocks", mutates_args=())
 def _candidate_blocks_op(scores: torch.Tensor, k_start: torch.Tensor, k_end: torch.Tensor, keep: int,
-                         block: int) -> torch.Tensor:
+                         block: int, round_to: torch.dtype | None = None) -> torch.Tensor:
     if not triton_can_run(scores, k_start, k_end):
         raise cannot_run("minidi::candidate_blocks", scores, k_start, k_end)
     scores = scores if scores.stride(-1) == 1 else scores.contiguous()
-    bm = block_max_launch(scores, k_start.contiguous(), k_end.contiguous(), block)
+    bm = block_max_launch(scores, k_start.contiguous(), k_end.contiguous(), block, round_to)
     if bm.shape[1] > MAX_REGISTER_NB:
         return pick_blocks_ref(bm, keep)
     return select_launch(bm, keep)
 
 
 @_candidate_blocks_op.register_fake
-def _(scores, k_start, k_end, keep, block):
+def _(scores, k_start, k_end, keep, block, round_to=None):
     return scores.new_empty(scores.shape[0], min(keep, -(-scores.shape[1] // block)), dtype=torch.int64)
 
 
-def _check(scores: torch.Tensor, k_start: torch.Tensor, k_end: torch.Tensor, keep: int, block: int) -> None:
+def _check(scores: torch.Tensor, k_start: torch.Tensor, k_end: torch.Tensor, keep: int, block: int,
+           round_to: torch.dtype | None) -> None:
     def fail(what: str) -> None:
         raise ValueError(f"candidate_blocks: {what}")
 
@@ -183,16 +196,20 @@ def _check(scores: torch.Tensor, k_start: torch.Tensor, k_end: torch.Tensor, kee
         fail(f"keep must be an int >= 0, got {keep!r}")
     if not isinstance(block, int) or block < 1:
         fail(f"block must be an int >= 1, got {block!r}")
+    if round_to not in _ROUND_CODES:
+        fail(f"round_to must be one of {list(_ROUND_CODES)}, got {round_to!r}")
 
 
 def candidate_blocks(scores: torch.Tensor, k_start: torch.Tensor, k_end: torch.Tensor, keep: int, block: int,
-                     backend: str = "auto") -> torch.Tensor:
+                     round_to: torch.dtype | None = None, backend: str = "auto") -> torch.Tensor:
     """scores [T, N] fp32 / bf16 / fp16 (a row's visible entries in [k_start, k_end), its blocks counted from column
     0); k_start, k_end [T] int; keep, block ints -> ids [T, min(keep, cdiv(N, block))] int64: the blocks with the
     highest max score (ties to the lower id), the newest visible block always kept, ascending, then -1 for blocks
-    whose max is -inf (or NaN). Equal to ``minidi.model.indexer.candidate_blocks``. ``backend``: "auto" (the kernels
-    where they can run, else the reference), "triton" or "ref" (plain torch)."""
-    _check(scores, k_start, k_end, keep, block)
+    whose max is -inf (or NaN). Equal to ``minidi.model.indexer.candidate_blocks``. ``round_to`` bf16 / fp16: the
+    picks of ``scores.to(round_to)`` (the model's rounding point, applied to each block's max: the same values, since
+    rounding is monotone) without that tensor in memory; None: the scores as they are. ``backend``: "auto" (the
+    kernels where they can run, else the reference), "triton" or "ref" (plain torch)."""
+    _check(scores, k_start, k_end, keep, block, round_to)
     if resolve_backend(backend, "candidate_blocks", scores, k_start, k_end) == "ref":
-        return candidate_blocks_ref(scores, k_start, k_end, keep, block)
-    return _candidate_blocks_op(scores, k_start, k_end, keep, block)
+        return candidate_blocks_ref(scores, k_start, k_end, keep, block, round_to)
+    return _candidate_blocks_op(scores, k_start, k_end, keep, block, round_to)

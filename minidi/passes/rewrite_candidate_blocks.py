@@ -12,7 +12,8 @@ Naive subgraph (Dynamo FX), once per model step (layer ``candidate_source_layer`
 
 Replacement::
 
-    ids = candidate_blocks(scores, k_start, k_end, K, B)           # [T, K] int64, the same ids in the same order
+    ids = candidate_blocks(scores, k_start, k_end, K, B, None)     # [T, K] int64, the same ids in the same order
+    ids = candidate_blocks(s, k_start, k_end, K, B, bf16)          # scores = s.to(bf16), s fp32 (B's op output)
 
 Taken: a rank-2 float ``scores`` padded by exactly (-N) % B columns of -inf and viewed as [T, cdiv(N, B), B]; the
 maxima chain over every column of the unbind, in order; the forced block the newest visible one of ``[k_start,
@@ -31,7 +32,7 @@ from torch.fx import Node
 from minidi.ops.candidate_blocks import candidate_blocks
 
 from .base import Match, Rewrite
-from .fx_utils import arg, dims_equal, is_call, is_literal, n_args, rank, same_int, val
+from .fx_utils import arg, dims_equal, dtype, is_call, is_literal, n_args, rank, same_int, val
 from .patterns import only_users, picks_of, picks_width
 
 
@@ -117,6 +118,17 @@ def _newest_forced(x: Node, bs: Node, block: int) -> tuple[Node, Node, set[Node]
     return k_start, k_end, {x, sc, zl, new, src, div, gt, clamp, sub}
 
 
+def _rounded(scores: Node) -> tuple[Node, torch.dtype | None]:
+    """scores = ``s.to(bf16 / fp16)`` of fp32 s (pass B's cast of its fp32 scores back to the model's dtype) -> (s,
+    that dtype): the op rounds each block's max instead, so the rounded copy need not be written; else (scores,
+    None). The cast node stays for any other reader."""
+    if is_call(scores, "to") and n_args(scores) == 2 and not scores.kwargs and isinstance(scores.args[0], Node):
+        src, to = scores.args[0], scores.args[1]
+        if dtype(src) == torch.float32 and to in (torch.bfloat16, torch.float16) and dtype(scores) == to:
+            return src, to
+    return scores, None
+
+
 class CandidateBlocks(Rewrite):
     key = "T"
     name = "candidate_blocks"
@@ -144,6 +156,7 @@ class CandidateBlocks(Rewrite):
         nodes |= max_nodes | force_nodes
         if not all(only_users(n, nodes) for n in nodes - {node}):
             return None
+        scores, round_to = _rounded(scores)
         return Match(anchor=node, nodes=nodes, target=candidate_blocks,
-                     args=(scores, k_start, k_end, keep, block), kwargs={"backend": self.op_backend},
+                     args=(scores, k_start, k_end, keep, block, round_to), kwargs={"backend": self.op_backend},
                      outputs=[(node, None)])

@@ -4,8 +4,9 @@
 The op is a selection: its ids must equal the model's element for element (same blocks, same order, -1 in the same
 places) on every input, so every comparison is ``torch.equal``. Inputs are fresh each run (the seed is in the
 message): ragged visible ranges, rows with nothing visible, blocks that straddle N, exact ties (integer scores,
--0.0 against +0.0), NaN and -inf blocks, keep above the block count, block sizes 1, 3, 4 and 8, the torch selection
-for rows past ``MAX_REGISTER_NB`` blocks, and a poisoned output the selection kernel must fill.
+-0.0 against +0.0, ties made by ``round_to``), NaN and -inf blocks, keep above the block count, block sizes 1, 3, 4
+and 8, the torch selection for rows past ``MAX_REGISTER_NB`` blocks, and a poisoned output the selection kernel must
+fill.
 """
 
 from __future__ import annotations
@@ -65,6 +66,28 @@ def test_low_precision_scores(dtype):
     check(*make(5, 120, seed, dtype), 6, 8, seed)
 
 
+@pytest.mark.parametrize("round_to", [torch.bfloat16, torch.float16])
+def test_round_to_equals_the_model_on_the_rounded_scores(round_to):
+    """fp32 scores with ``round_to``: the picks of ``scores.to(round_to)`` (pass B's fp32 scores, the model's bf16).
+    Scores 1 + i 2^-14 (i < 64) collapse to a few values in either dtype, so rounding makes exact ties across blocks
+    that fp32 does not have; values past the dtype's largest finite one round to inf; NaN stays NaN."""
+    seed = int(torch.randint(0, 2**31 - 1, ()))
+    s, ks, ke = make(6, 203, seed)
+    g = torch.Generator().manual_seed(seed)
+    s = torch.where(s.isfinite(), 1 + torch.randint(0, 64, s.shape, generator=g).to(DEV) * 2.0**-14, s)
+    big = torch.finfo(round_to).max * 1.001  # fp32, rounds to +inf (bf16: 3.39e38 < big < fp32 max)
+    s[0, int(ks[0]) + 9], s[4, int(ks[4])] = big, -big
+    rounded = s.to(round_to)
+    assert not torch.equal(rounded.float(), s)  # the test needs values that rounding changes
+    want = model_candidate_blocks(rounded, ks, ke, 7, 8)
+    got = cb.candidate_blocks(s, ks, ke, 7, 8, round_to, backend="triton")
+    assert torch.equal(got, want), f"seed {seed}: {got} != {want}"
+    assert torch.equal(cb.candidate_blocks_ref(s, ks, ke, 7, 8, round_to), want), seed
+    assert not torch.equal(got, model_candidate_blocks(s, ks, ke, 7, 8)), seed  # the rounding decided some picks
+    bm = cb.block_max_launch(s, ks, ke, 8, round_to)
+    assert same_with_nan(bm, cb.block_max_ref(rounded, ks, ke, 8)), seed
+
+
 def test_nan_and_inf_blocks_and_forced_newest():
     """A NaN block ranks as +inf and comes out -1 (the model's ``> -inf`` test); the newest visible block is kept
     even when its max is -inf or NaN; a row with fewer finite blocks than keep pads with -1 at the end."""
@@ -122,6 +145,7 @@ def test_empty_shapes():
 def test_opcheck():
     s, ks, ke = make(4, 40, 5)
     torch.library.opcheck(torch.ops.minidi.candidate_blocks.default, (s, ks, ke, 3, 4))
+    torch.library.opcheck(torch.ops.minidi.candidate_blocks.default, (s, ks, ke, 3, 4, torch.bfloat16))
 
 
 @pytest.mark.parametrize("bad,match", [
@@ -130,6 +154,7 @@ def test_opcheck():
     (dict(k_end=torch.zeros(3)), "k_end must be \\[3\\] int32 / int64"),
     (dict(keep=-1), "keep must be an int >= 0"),
     (dict(block=0), "block must be an int >= 1"),
+    (dict(round_to=torch.int32), "round_to must be one of"),
 ])
 def test_errors_name_the_argument(bad, match):
     args = dict(scores=torch.zeros(3, 16), k_start=torch.zeros(3, dtype=torch.long),

@@ -76,12 +76,27 @@ class GraphModule(torch.nn.Module):
         indexer_topk = minidi_ops_indexer_score_indexer_topk(l_q_, l_k_, l_w_, l_ks_, l_ke_, 6, None, backend = 'auto');  l_q_ = l_k_ = l_w_ = None
         getitem_20: "i64[5, 6]" = indexer_topk[0]
         getitem_21: "f32[5, 30]" = indexer_topk[1];  indexer_topk = None
-        candidate_blocks: "i64[5, 3]" = minidi_ops_candidate_blocks_candidate_blocks(getitem_21, l_ks_, l_ke_, 3, 4, backend = 'auto');  getitem_21 = l_ks_ = l_ke_ = None
+        candidate_blocks: "i64[5, 3]" = minidi_ops_candidate_blocks_candidate_blocks(getitem_21, l_ks_, l_ke_, 3, 4, None, backend = 'auto');  getitem_21 = l_ks_ = l_ke_ = None
         return (getitem_20, candidate_blocks)
 """)
     assert "maximum" not in text and "topk" not in text.replace("indexer_topk", "")
     want = Source()(*args)
     assert torch.equal(out[0], want[0]) and torch.equal(out[1], want[1]), seed
+
+
+def test_bf16_scores_are_rounded_in_the_op():
+    """bf16 q / k / w: pass B's fp32 scores reach the chain through a cast back to bf16 (its rounding point); T reads
+    the fp32 scores with ``round_to`` bf16, so no bf16 copy is written, and its ids equal those of B alone (the same
+    scores, the model's chain)."""
+    seed = int(torch.randint(0, 2**31 - 1, ()))
+    args = tuple(a.bfloat16() if a.is_floating_point() else a for a in inputs(seed, 6, 203))
+    out, mgr, _, after = run(Source("model", 8), args, "B,T", None)
+    assert mgr.counts == {"B": 1, "T": 1}
+    (node,) = [n for n in after.graph.nodes if n.target is candidate_blocks_op]
+    assert node.args[5] == torch.bfloat16 and node.args[0].meta["example_value"].dtype == torch.float32
+    assert not any(n.op == "call_method" and n.target == "to" for n in after.graph.nodes)
+    want, _, _, _ = run(Source("model", 8), args, "B", None)
+    assert torch.equal(out[1], want[1]), seed
 
 
 @pytest.mark.parametrize("block", [1, 3, 8])
