@@ -84,11 +84,14 @@ def bench_candidate_source(res: dict, s: Shape, ks, ke, peaks: dict, no_compile:
     _row(out, "  block maxima kernel", ms_bm, read + written, peaks)
     bm = cb.block_max_launch(scores, ks, ke, block)
     if nb <= cb.MAX_REGISTER_NB:
-        for warps in SELECT_WARPS:
-            got = cb.select_launch(bm, keep, num_warps=warps)
-            checks[f"select_w{warps}"] = torch.equal(got, want)
-            ms = s.timed(lambda: cb.select_launch(bm, keep, num_warps=warps))
-            _row(out, f"  selection kernel, {warps} warps", ms, written, peaks)
+        for variant in cb.SELECT_VARIANTS:
+            for warps in SELECT_WARPS:
+                got = cb.select_launch(bm, keep, num_warps=warps, variant=variant)
+                checks[f"select_{variant}_w{warps}"] = torch.equal(got, want)
+                ms = s.timed(lambda: cb.select_launch(bm, keep, num_warps=warps, variant=variant))
+                is_default = (variant, warps) == (cb.SELECT_VARIANT, cb.select_warps(cb.MAX_REGISTER_NB))
+                default = " (default)" if is_default else ""
+                _row(out, f"  selection, {variant}, {warps} warps{default}", ms, written, peaks)
     out["checks"] = checks
     common.say(f"  checks (ids equal to the model's): {checks}")
     res["checks"]["candidate_source_ok"] = all(checks.values())

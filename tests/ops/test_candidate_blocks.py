@@ -121,6 +121,21 @@ def test_select_kernel_fills_every_slot():
     assert torch.equal(cb.select_launch(bm, 9, out=out), cb.pick_blocks_ref(bm, 9)), seed
 
 
+@pytest.mark.parametrize("variant", sorted(cb.SELECT_VARIANTS))
+@pytest.mark.parametrize("levels", [0, 3])
+def test_every_select_variant_equals_the_reference(variant, levels):
+    """Each selection variant (one-bit bisection or two-bit steps; scans always or only where needed) on maxima with
+    exact ties (``levels``), NaN, -inf and forced blocks, keep = 1, a few, all blocks; a poisoned output."""
+    seed = int(torch.randint(0, 2**31 - 1, ()))
+    s, ks, ke = make(6, 150, seed, levels=levels)
+    bm = cb.block_max_launch(s, ks, ke, 4)
+    bm[5, :10] = float("-inf")  # a row with -inf maxima among its top picks when keep is large
+    for keep in (1, 7, 38):
+        out = torch.full((6, min(keep, 38)), 123456789, dtype=torch.int64, device=DEV)
+        got = cb.select_launch(bm, keep, out=out, variant=variant)
+        assert torch.equal(got, cb.pick_blocks_ref(bm, keep)), (seed, variant, keep)
+
+
 def same_with_nan(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Equal values, NaN in the same places (+-inf compared as they are)."""
     return torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(0.0, float("inf"), float("-inf")),
