@@ -171,6 +171,13 @@ def _fp8_linear(c: Call) -> dict[str, Work]:
     return out
 
 
+def _fp8_grouped_linear(c: Call) -> dict[str, Work]:
+    """x [T, G, I], weight [N, I] e4m3, scale, weight_block: the weight's dequant (launched only where it is not
+    kept); the G GEMMs are one ATen bmm's."""
+    x, w = c.t(0), c.t(1)
+    return {"_dequant_kernel": Work(_size(w) + _size(c.t(2)) + math.prod(w.dims) * x.dtype.itemsize)}
+
+
 def _gate(c: Call) -> dict[str, Work]:
     """x [T, D], weight [E, D] -> [T, E] fp32, written as one plane per split of D (thin E: split, the planes summed
     by a torch op after)."""
@@ -283,6 +290,7 @@ KERNELS: dict[str, Callable[[Call], dict[str, Work]]] = {
     "minidi::fq8": _fq8,
     "minidi::fq8_split": _fq8_split,
     "minidi::fp8_linear": _fp8_linear,
+    "minidi::fp8_grouped_linear": _fp8_grouped_linear,
     "minidi::gate_tf32x3": _gate,
     "minidi::head_logits": _head_logits,
     "minidi::row_topk": _row_topk,

@@ -36,6 +36,9 @@ a GPU. Linears whose input pass R already quantised (act_block -b) take the rout
 output is exact (q * s equals it), so their products are the bf16 GEMM's. An input of act_block 0 (no fake quant)
 is not fq8 values: the bf16 GEMM.
 
+``fp8_grouped_linear``: attention's grouped output projection ``wo_a`` (``einsum("tgi,goi->tgo", x, dequant_fp8(...)
+.view(G, N / G, I))``, no fq8 of x) on the same kept weight, as one batched GEMM writing [T, G, N / G] directly.
+
 Backends: "auto" (the kernels where they can run, else the reference), "triton", "ref" (``fp8_linear_ref``, plain
 torch from ``minidi.formats``, whose ``dequant_fp8`` is the model's own; behind an opaque op so that a CPU graph
 holds one node too).
@@ -74,6 +77,15 @@ def fp8_linear_ref(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, w
     """Plain torch: ``F.linear(fq8(x), dequant_fp8(weight, scale))`` (act_block <= 0: no fq8)."""
     xq = fq8_ref(x, act_block) if act_block > 0 else x
     return F.linear(xq, dequant_fp8(weight, scale, weight_block, x.dtype))
+
+
+def fp8_grouped_linear_ref(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, weight_block: int
+                           ) -> torch.Tensor:
+    """Plain torch, the model's grouped output projection (``wo_a``): ``einsum("tgi,goi->tgo", x,
+    dequant_fp8(weight, scale).view(G, N / G, I))``."""
+    g = x.shape[-2]
+    w = dequant_fp8(weight, scale, weight_block, x.dtype).view(g, weight.shape[0] // g, -1)
+    return torch.einsum("tgi,goi->tgo", x, w)
 
 
 # ---- kernels -------------------------------------------------------------------------------------------------------
@@ -223,6 +235,59 @@ def _fp8_linear_ref_op(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tenso
 @_fp8_linear_ref_op.register_fake
 def _(x, weight, scale, weight_block, act_block):
     return _out_fake(x, weight)
+
+
+# ---- the grouped form (wo_a) ---------------------------------------------------------------------------------------
+def _grouped_out(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    t, g, _ = x.shape
+    return x.new_empty(t, g, weight.shape[0] // g)
+
+
+@torch.library.custom_op("minidi::fp8_grouped_linear", mutates_args=())
+def _fp8_grouped_linear_op(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, weight_block: int
+                           ) -> torch.Tensor:
+    if not triton_can_run(x, weight, scale):
+        raise cannot_run("minidi::fp8_grouped_linear", x, weight, scale)
+    t, g, i = x.shape
+    w = dequant_weight(weight, scale, weight_block, x.dtype).view(g, -1, i)  # the kept copy, read only
+    out = _grouped_out(x, weight)  # [T, G, O]: each group's GEMM writes its columns of the row (no permuted copy)
+    torch.bmm(x.transpose(0, 1), w.transpose(1, 2), out=out.transpose(0, 1))
+    return out
+
+
+@_fp8_grouped_linear_op.register_fake
+def _(x, weight, scale, weight_block):
+    return _grouped_out(x, weight)
+
+
+@torch.library.custom_op("minidi::fp8_grouped_linear_ref", mutates_args=())
+def _fp8_grouped_linear_ref_op(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, weight_block: int
+                               ) -> torch.Tensor:
+    return fp8_grouped_linear_ref(x, weight, scale, weight_block).contiguous()
+
+
+@_fp8_grouped_linear_ref_op.register_fake
+def _(x, weight, scale, weight_block):
+    return _grouped_out(x, weight)
+
+
+def fp8_grouped_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, weight_block: int,
+                       backend: str = "auto") -> torch.Tensor:
+    """The grouped output projection (V4 / V4.1 attention's ``wo_a``): x [T, G, I] bf16 | fp32, weight [N, I]
+    float8_e4m3fn holding G groups of N / G rows, scale its E8M0 tiles -> [T, G, N / G] in x's dtype: group g's rows
+    times x[:, g] (``einsum("tgi,goi->tgo", x, dequant_fp8(weight, scale).view(G, N / G, I))``, the model's code).
+    The dequantised weight is kept per weight tensor as ``fp8_linear``'s (``dequant_weight``), where the model's
+    code dequantises it every call; the G GEMMs (one batched call) write straight into the [T, G, N / G] rows the
+    next linear reads, where Inductor's lowering of the einsum writes [G, T, N / G] and copies it. No fq8 of x (the
+    model quantises no input of ``wo_a``). ``backend``: "auto" | "triton" | "ref"."""
+    if x.dim() != 3 or weight.dim() != 2 or x.shape[1] < 1 or weight.shape[0] % x.shape[1]:
+        raise ValueError(f"fp8_grouped_linear: x must be [T, G, I] with G dividing the weight's N, got x "
+                         f"{tuple(x.shape)}, weight {tuple(weight.shape)}")
+    _check(x, weight, scale, weight_block, 0)
+    scale = scale.view(torch.uint8)
+    if resolve_backend(backend, "fp8_grouped_linear", x, weight, scale) == "ref":
+        return _fp8_grouped_linear_ref_op(x, weight, scale, weight_block)
+    return _fp8_grouped_linear_op(x, weight, scale, weight_block)
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, weight_block: int, act_block: int,

@@ -110,10 +110,10 @@ HEAD_PASSES = ("O",)  # the passes with a site in a regional step's head graph (
 
 
 def fp8_linears(cfg: ModelConfig, layer: int, regional: bool = False) -> int:
-    """FP8 linears of a layer (pass N's sites): 4 in attention, 3 in the shared expert, the indexer's wq_b where the
-    layer is an index source, the Engram's wkv where it has one (not with ``regional``: the Engram front compiles
-    apart, with its own check: one site per front graph)."""
-    return 4 + 3 + int(cfg.is_index_source(layer)) + int(layer in cfg.engram_layers and not regional)
+    """FP8 linears of a layer (pass N's sites): 5 in attention (wq_a, wq_b, wkv, wo_b and the grouped wo_a), 3 in
+    the shared expert, the indexer's wq_b where the layer is an index source, the Engram's wkv where it has one (not
+    with ``regional``: the Engram front compiles apart, with its own check: one site per front graph)."""
+    return 5 + 3 + int(cfg.is_index_source(layer)) + int(layer in cfg.engram_layers and not regional)
 
 
 def shared_fq8_inputs(cfg: ModelConfig, layer: int) -> int:

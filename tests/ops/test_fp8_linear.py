@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from minidi.model.quant import dequant_fp8, fq8, quantize_fp8
-from minidi.ops.fp8_linear import dequant_launch, fp8_linear, fp8_linear_ref
+from minidi.ops.fp8_linear import (dequant_launch, fp8_grouped_linear, fp8_grouped_linear_ref, fp8_linear,
+                                    fp8_linear_ref)
 
 gpu = pytest.mark.gpu
 DEVICES = ["cpu", pytest.param("cuda", marks=gpu)]
@@ -155,3 +156,77 @@ def test_opcheck():
     utils = ("test_faketensor", "test_aot_dispatch_static", "test_aot_dispatch_dynamic")
     torch.library.opcheck(torch.ops.minidi.fp8_linear_ref.default, (x, w, s, 32, 32), test_utils=utils)
     torch.library.opcheck(torch.ops.minidi.fp8_linear.default, (x, w, s, 32, 32), test_utils=utils)
+
+
+# ---- the grouped form (attention's wo_a) ----------------------------------------------------------------------------
+GROUPED_CASES = [  # T, G, rows per group, I, weight block, dtype
+    (7, 4, 32, 64, 32, torch.bfloat16),
+    (5, 2, 48, 96, 32, torch.bfloat16),  # rows per group not a multiple of the tile: tiles straddle two groups
+    (3, 2, 128, 256, 128, torch.bfloat16),  # V4's 128 blocks
+    (6, 4, 16, 64, 32, torch.float32),
+    (0, 2, 32, 64, 32, torch.bfloat16),  # no tokens
+]
+
+
+def model_grouped(o, w, s, block):
+    """``Attention.forward``'s wo_a as the model writes it."""
+    return torch.einsum("tgi,goi->tgo", o, dequant_fp8(w, s, block, o.dtype).view(o.shape[1], -1, o.shape[2]))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("backend", ["triton", "ref"])
+@pytest.mark.parametrize("t,g,o,i,block,dtype", GROUPED_CASES)
+def test_grouped_matches_the_model(device, backend, t, g, o, i, block, dtype):
+    """Every output within the model's own distance from an fp64 product of the same operands (the op's GEMMs may
+    sum in another order), in x's dtype, [T, G, rows per group], contiguous (the next linear reads the rows)."""
+    seed = int(torch.randint(0, 2**31 - 1, ()))
+    gen = torch.Generator().manual_seed(seed)
+    x = (wide((t, g, i), gen, dtype) if t else torch.zeros(t, g, i, dtype=dtype)).to(device)
+    w, s = (a.to(device) for a in weights(g * o, i, block, gen))
+    got = fp8_grouped_linear(x, w, s, block, backend=backend)
+    want = model_grouped(x, w, s, block)
+    ref = torch.einsum("tgi,goi->tgo", x.double(), dequant_fp8(w, s, block, x.dtype).double().view(g, o, i))
+    assert got.shape == want.shape == (t, g, o) and got.dtype == dtype and got.is_contiguous()
+    if t:
+        scale = ref.abs().max().clamp(min=1e-300)
+        err, err_model = ((got.double() - ref).abs().max() / scale).item(), ((want.double() - ref).abs().max()
+                                                                               / scale).item()
+        assert err <= 2 * err_model + 1e-12, (seed, err, err_model)
+    assert same_bits(fp8_grouped_linear_ref(x, w, s, block), want)
+
+
+def test_grouped_keeps_the_dequantised_weight(monkeypatch):
+    """The weight is dequantised once per weight tensor (``fp8_linear``'s cache), not per call."""
+    import minidi.ops.fp8_linear as fl
+
+    monkeypatch.setenv(fl.WEIGHT_CACHE_ENV, "1")
+    calls = []
+    real = fl.dequant_launch
+    monkeypatch.setattr(fl, "dequant_launch", lambda *a: calls.append(1) or real(*a))
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(5, 2, 64, generator=gen).bfloat16()
+    w, s = weights(64, 64, 32, gen)
+    first = fp8_grouped_linear(x, w, s, 32, backend="triton")
+    second = fp8_grouped_linear(x, w, s, 32, backend="triton")
+    assert len(calls) == 1 and torch.equal(first, second)
+
+
+def test_grouped_bad_input_is_named():
+    w, s = weights(64, 64, 32, torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match=r"x must be \[T, G, I\] with G dividing the weight's N"):
+        fp8_grouped_linear(torch.zeros(3, 64, dtype=torch.bfloat16), w, s, 32)
+    with pytest.raises(ValueError, match=r"x must be \[T, G, I\] with G dividing the weight's N"):
+        fp8_grouped_linear(torch.zeros(3, 3, 64, dtype=torch.bfloat16), w, s, 32)
+    with pytest.raises(ValueError, match="last dim 48 is not the weight's K 64"):
+        fp8_grouped_linear(torch.zeros(3, 2, 48, dtype=torch.bfloat16), w, s, 32)
+    with pytest.raises(ValueError, match="weight_block must be one of"):
+        fp8_grouped_linear(torch.zeros(3, 2, 64, dtype=torch.bfloat16), w, s, 64)
+
+
+def test_grouped_opcheck():
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(4, 2, 64, generator=gen).bfloat16()
+    w, s = weights(64, 64, 32, gen)
+    utils = ("test_faketensor", "test_aot_dispatch_static", "test_aot_dispatch_dynamic")
+    torch.library.opcheck(torch.ops.minidi.fp8_grouped_linear_ref.default, (x, w, s, 32), test_utils=utils)
+    torch.library.opcheck(torch.ops.minidi.fp8_grouped_linear.default, (x, w, s, 32), test_utils=utils)

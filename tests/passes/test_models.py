@@ -57,11 +57,11 @@ def test_every_site_matched(compiled):
     if compiled.name == "tiny-v41":
         assert compiled.manager.counts == {"C": 10, "E": 10, "D": 30, "A": 10, "B": 4, "F": 20, "J": 20, "K": 20,
                                            "G": 20, "H": 10, "I": 10, "L": 0,
-                                           "M": 1, "T": 1, "N": 76, "R": 0, "O": 1, "P": 10, "Q": 10,
+                                           "M": 1, "T": 1, "N": 86, "R": 0, "O": 1, "P": 10, "Q": 10,
                                            "S": 4}  # L, R: fake quant off; S: 2 ratio-2 kv sources
     else:  # F, J: two mixers per layer + V4's hc_head
         assert compiled.manager.counts == {"C": 4, "E": 4, "D": 12, "A": 4, "B": 2, "F": 9, "J": 9, "K": 8, "G": 8,
-                                           "H": 4, "I": 4, "L": 0, "M": 0, "T": 0, "N": 30, "R": 0, "O": 1, "P": 3,
+                                           "H": 4, "I": 4, "L": 0, "M": 0, "T": 0, "N": 34, "R": 0, "O": 1, "P": 3,
                                            "Q": 4, "S": 10}  # P: layer 0 is hash-routed; L, R: fake quant off
 
 
@@ -95,14 +95,15 @@ def test_naive_ops_gone(compiled):
         "minidi.ops.hc_expand.hc_expand": want["G"],
         "minidi.ops.moe_activation.moe_activation": want["H"],
         "minidi.ops.moe_gather.gather_rows": want["I"],
-        "minidi.ops.fp8_linear.fp8_linear": want["N"],
+        "minidi.ops.fp8_linear.fp8_linear": want["N"] - want["A"],  # N's sites: every FP8 linear, and each
+        "minidi.ops.fp8_linear.fp8_grouped_linear": want["A"],  # attention's grouped wo_a
         "minidi.ops.fq8.fq8": want["R"],  # none: fake quant off
         "minidi.ops.head_logits.head_logits": want["O"],
         "minidi.ops.row_topk.row_topk": want["P"],
         "minidi.ops.expert_order.expert_order": want["Q"],
     })
     einsums = [n.args[0] for n in after.graph.nodes if n.op == "call_function" and "einsum" in str(n.target)]
-    assert not {"thd,tkd->thk", "thk,tkd->thd", "thd,nd->thn", "rk,enk->ren"} & set(einsums)
+    assert not {"thd,tkd->thk", "thk,tkd->thd", "thd,nd->thn", "rk,enk->ren", "tgi,goi->tgo"} & set(einsums)
     # q's and the output's rotations went into the attention at every site: no apply_rope chain is left on an
     # attention's input or output (the key's and the compressor's rotations stay)
     attn = [n for n in after.graph.nodes if n.op == "call_function" and "sparse_attention" in str(n.target)]
@@ -147,6 +148,7 @@ gate_tf32x3
 fp8_linear
 indexer_topk
 sparse_attention
+fp8_grouped_linear
 fp8_linear
 hc_expand
 hc_mix_fused
@@ -235,7 +237,7 @@ def test_second_tiny_config_counts_traced():
     want = {k: len(v) for k, v in expected_sites(model.cfg).items()}
     assert trace_counts(model, 24) == want == {"A": 8, "B": 3, "C": 8, "D": 24, "E": 8, "F": 16, "J": 16, "K": 16,
                                                 "G": 16, "H": 8, "I": 8, "L": 0, "M": 1, "T": 1,
-                                                "N": 60, "R": 0, "O": 1, "P": 8, "Q": 8, "S": 2}
+                                                "N": 68, "R": 0, "O": 1, "P": 8, "Q": 8, "S": 2}
 
 
 def test_production_settings_counts_traced():

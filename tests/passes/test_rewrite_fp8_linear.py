@@ -90,3 +90,50 @@ def test_plain_linears_are_left():
     out, mgr, _, _ = run(Reads(layer), (x,), "N", None)
     assert mgr.counts == {"N": 0}
     assert same_bits(out, layer(x))
+
+
+class GroupedOut(torch.nn.Module):
+    """Attention's grouped output projection as the model writes it (``Attention.forward``: ``wo_a``); ``also``: the
+    dequantised weight read elsewhere too; ``eq``: another contraction."""
+
+    def __init__(self, layer: FP8Linear, groups: int, also: bool = False, eq: str = "tgi,goi->tgo") -> None:
+        super().__init__()
+        self.layer, self.groups, self.also, self.eq = layer, groups, also, eq
+
+    def forward(self, o):
+        w = self.layer.dequant(o.dtype)
+        a = torch.einsum(self.eq, o, w.view(self.groups, -1, o.shape[-1])).flatten(1)
+        return (a, w.sum()) if self.also else a
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_grouped_wo_a_rewrite(dtype):
+    """wo_a's einsum on the dequantised weight -> ``fp8_grouped_linear``: one node, the weight chain gone, the output
+    as close to an fp64 reference as the uncompiled module's (the same dequantised values and one GEMM per group;
+    the GEMM library may sum in another order for the strided output)."""
+    seed = int(torch.randint(0, 2**31 - 1, ()))
+    layer = fp8_layer("tiny-v41", 64, 4 * 32, seed=seed)  # G 4 groups of 32 rows, I 64
+    o = torch.randn(7, 4, 64, generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
+    out, mgr, _, after = run(GroupedOut(layer, 4), (o,), "N", n_sites=1, strict=True)
+    assert mgr.counts == {"N": 1}
+    text = graph_text(after)
+    assert "fp8_grouped_linear" in text and "einsum" not in text and "lshift" not in text, text
+    ref = torch.einsum("tgi,goi->tgo", o.double(), layer.dequant(o.dtype).double().view(4, 32, 64)).flatten(1)
+    eager = GroupedOut(layer, 4)(o)
+    err = ((out.double() - ref).abs().max() / ref.abs().max()).item()
+    err_eager = ((eager.double() - ref).abs().max() / ref.abs().max()).item()
+    assert out.shape == eager.shape == (7, 128) and out.dtype == dtype
+    assert err <= 2 * err_eager + 1e-12, (seed, err, err_eager)
+
+
+@pytest.mark.parametrize("form", ["also", "eq"])
+def test_grouped_wo_a_refusals(form):
+    """The dequantised weight read elsewhere, or another contraction: N leaves the einsum as it is."""
+    layer = fp8_layer("tiny-v41", 64, 4 * 32, seed=3)
+    o = torch.randn(5, 4, 64).bfloat16()
+    module = GroupedOut(layer, 4, also=form == "also", eq="tgi,goi->tgo" if form == "also" else "tgi,goi->gto")
+    out, mgr, _, after = run(module, (o,), "N", n_sites=None)
+    assert mgr.counts == {"N": 0}
+    want = module(o)
+    got = out if form == "eq" else out[0]
+    assert torch.equal(got, want if form == "eq" else want[0])
