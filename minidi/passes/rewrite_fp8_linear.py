@@ -25,7 +25,8 @@ Attention's grouped output projection ``wo_a`` (no fq8 of its input), per layer:
 
 The op keeps the dequantised weight (``fp8_linear``'s cache) and writes the G GEMMs' outputs straight into [T, G,
 N / G]: Inductor's code dequantised the weight every call and copied the GEMMs' [G, T, N / G] output into that
-layout (round 28's H100 step, V4.1 EP4: 1.11 + 1.35 ms a step over 32 calls of each kernel).
+layout (round 28's H100 step, V4.1 EP4: 1.11 + 1.35 ms a step over 32 calls of each kernel; the first kernel also
+carries the window ring's ``index_copy_``, which stays).
 """
 
 from __future__ import annotations
