@@ -23,8 +23,9 @@ recomputed when the weight or its scale changes in place) within a byte budget, 
 (default 32 GiB on CUDA, 0 elsewhere; 0 turns it off). V4.1-Flash's FP8 linears (one rank, 40 layers): 10.23 GiB of
 bf16 copies kept beside their e4m3 bytes (H200 round 21, the benchmark's ``fp8_weight_cache_gib``), against a dequant
 kernel per linear per step that moves 3 bytes a weight (round 20: 7.6 ms a step over 290 launches; gone in round
-21). Weights past the budget are dequantised every call, as before; a long-context run short of memory sets a lower
-budget.
+21; H100 round 28 the same). ``fp8_grouped_linear`` (wo_a) keeps its weight there too: 8,192 x 4,096 bf16 x 40
+layers = 2.5 GiB more at V4.1-Flash (computed; not yet measured). Weights past the budget are dequantised every call,
+as before; a long-context run short of memory sets a lower budget.
 
 FP8 tensor cores (``MINIDI_FP8_GEMM``, read every call; issue 21): "off" (the default) keeps the bf16 GEMM above.
 "128" runs linears whose weight tiles and input blocks are both 128 (V4-Flash) on the block-scaled FP8 GEMM
