@@ -149,11 +149,7 @@ def _block_select_kernel(bm_ptr, out_ptr, NB, stride_b, stride_o, K: tl.constexp
     n_good = tl.sum(good.to(tl.int32), axis=0)
     out_row = out_ptr + row.to(tl.int64) * stride_o
     tl.store(out_row + tl.cumsum(good.to(tl.int32), axis=0) - 1, c.to(tl.int64), mask=good)
-    if FAST_SCANS:  # no NaN / -inf pick (the usual row): the tail is empty
-        if n_good < K:
-            tl.store(out_row + n_good + tl.cumsum(bad.to(tl.int32), axis=0) - 1, tl.full((NBP,), -1, tl.int64),
-                     mask=bad)
-    else:
+    if not FAST_SCANS or n_good < K:  # FAST_SCANS: a row without NaN / -inf picks (the usual one) has no tail
         tl.store(out_row + n_good + tl.cumsum(bad.to(tl.int32), axis=0) - 1, tl.full((NBP,), -1, tl.int64),
                  mask=bad)
 
