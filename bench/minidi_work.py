@@ -123,19 +123,33 @@ def _hc_expand(c: Call) -> dict[str, Work]:
     return {"_hc_expand_kernel": Work(sum(_size(c.t(i)) for i in range(4)) + _size(c.t(0)))}
 
 
+def _hc_expand_mix(c: Call) -> dict[str, Work]:
+    """x, h, post, comb as ``hc_expand``; fn, pre as ``hc_mix_partials`` -> x2 like x, and the partials of x2 (never
+    read back: the mixer's bytes without its read of x)."""
+    mix = _hc_mix_work(c.t(0), c.t(4), c.opt(5))
+    if mix is None:
+        return {}
+    expand = _hc_expand(c)["_hc_expand_kernel"]
+    return {"_hc_expand_mix_kernel": Work(expand.nbytes + mix.nbytes - _size(c.t(0)), flops=mix.flops)}
+
+
 def _hc_mix(c: Call) -> dict[str, Work]:
     """x [T, n, D], fn [M, n D] fp32 (read as 3 bf16 pieces), pre [T, n] fp32 or None -> g [S, T, M] and ss [S, T]
     fp32 over the S splits of D the kernel runs (a narrow D: fewer, the rest zeroed by torch), u [T, D] (pre given)."""
-    x, fn, pre = c.t(0), c.t(1), c.opt(2)
+    work = _hc_mix_work(c.t(0), c.t(1), c.opt(2))
+    return {} if work is None else {"_hc_mix_kernel": work}
+
+
+def _hc_mix_work(x: TensorArg, fn: TensorArg, pre: TensorArg | None) -> Work | None:
     t, n, d = x.dims
     m = fn.dims[0]
     if not t * d:
-        return {}
+        return None
     bd = hc_mix.default_config(t, d, x.dtype)["BD"]
     splits = triton.cdiv(d, triton.cdiv(triton.cdiv(d, hc_mix.SPLITS), bd) * bd)
     read = _size(x) + 3 * m * n * d * 2 + (_size(pre) if pre is not None else 0)
     write = splits * t * (m + 1) * 4 + (t * d * x.dtype.itemsize if pre is not None else 0)
-    return {"_hc_mix_kernel": Work(read + write, flops=2 * t * m * n * d)}
+    return Work(read + write, flops=2 * t * m * n * d)
 
 
 def _hc_sinkhorn(c: Call) -> dict[str, Work]:
@@ -286,6 +300,7 @@ KERNELS: dict[str, Callable[[Call], dict[str, Work]]] = {
     "minidi::candidate_blocks": _candidate_blocks,
     "minidi::hc_expand": _hc_expand,
     "minidi::hc_mix_partials": _hc_mix,
+    "minidi::hc_expand_mix": _hc_expand_mix,
     "minidi::hc_sinkhorn": _hc_sinkhorn,
     "minidi::fq8": _fq8,
     "minidi::fq8_split": _fq8_split,

@@ -23,10 +23,12 @@ from minidi.runtime.flops import mfu, step_flops
 
 if __package__:  # imported as bench.prefill_modes (python -m bench.bench_prefill, the tests)
     from . import common
+    from .gpu_idle import profile_idle
     from .model_work import kernel_model_flops
     from .prefill_profile import Profile, profile_steps, stage_sum_note
 else:  # bench_prefill.py run as a script: the script's folder is sys.path[0]
     import common
+    from gpu_idle import profile_idle
     from model_work import kernel_model_flops
     from prefill_profile import Profile, profile_steps, stage_sum_note
 
@@ -138,6 +140,10 @@ def run_mode(mode: str, wl, args, card: dict, out_dir: Path, held: dict | None =
                                      markers=not args.no_stage_markers,
                                      model_flops=kernel_model_flops(cfg, wl.new_tokens, wl.cached_tokens, wl.seqs),
                                      ep_size=cfg.ep_size)
+        idle = None
+        if args.profile_steps and common.is_cuda(device):
+            with phase("device-only profile (1 step)"):
+                idle = profile_idle(step, wl, device)
     ms = sum(times) / len(times)
     tokens = wl.new_tokens * wl.seqs
     flops = step_flops(cfg, wl.new_tokens, wl.cached_tokens, wl.seqs)["total"]
@@ -154,6 +160,7 @@ def run_mode(mode: str, wl, args, card: dict, out_dir: Path, held: dict | None =
         "flop_per_step": flops,
         "stages_ms": {k: round(v, 3) for k, v in stage_table.items()},
         "gpu_busy_ms": prof.gpu_busy_ms and round(prof.gpu_busy_ms, 3),
+        "gpu_idle": idle,  # one step profiled with device activity only: its gaps (bench/gpu_idle.py)
         "profile_steps": args.profile_steps, "profiled_step_sums_ms": [round(v, 3) for v in prof.step_sums],
         "pass_matches": pass_matches(step), "first_step_s": round(first.seconds, 1), "step_reused": reused,
         # from minidi.compile to the first step's logits (a warm start loads its precompiled graphs in the former)

@@ -66,7 +66,7 @@ OP_STAGE = {
                                          "fq8_split_ref", "row_topk", "expert_order")},
     "minidi::rotated_blocks": "moe.comm",
     **{f"minidi::{op}": "attn" for op in ("fp8_grouped_linear", "fp8_grouped_linear_ref")},  # wo_a
-    **{f"minidi::{op}": None for op in ("hc_mix_partials", "hc_sinkhorn", "hc_expand",  # None: "other"
+    **{f"minidi::{op}": None for op in ("hc_mix_partials", "hc_sinkhorn", "hc_expand", "hc_expand_mix",  # "other"
                                         "head_logits", "head_logits_ref")},
 }
 OP_CAT = "cpu_op"

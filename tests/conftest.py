@@ -11,14 +11,20 @@ if os.environ["TRITON_INTERPRET"] == "1":
 
 
 def pytest_collection_modifyitems(config, items):
-    """``gpu`` tests need a CUDA device; ``slow`` tests (each minutes on 2 CPU cores, and covered in the default suite
-    by a cheaper test that their docstring names) run only with ``MINIDI_SLOW_TESTS=1``."""
+    """``gpu`` tests need a CUDA device; ``interpreter`` tests run minidi's kernels on CPU tensors, so they need
+    ``TRITON_INTERPRET=1`` (the default here; a GPU run sets 0 and runs the CUDA variants); ``slow`` tests (each
+    minutes on 2 CPU cores, and covered in the default suite by a cheaper test that their docstring names) run only
+    with ``MINIDI_SLOW_TESTS=1``."""
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
+    skip_interp = pytest.mark.skip(reason="runs kernels on CPU tensors: needs TRITON_INTERPRET=1")
     skip_slow = pytest.mark.skip(reason="slow: MINIDI_SLOW_TESTS=1 runs it")
     cuda, slow = torch.cuda.is_available(), os.environ.get("MINIDI_SLOW_TESTS", "") not in ("", "0")
+    interpreting = os.environ.get("TRITON_INTERPRET") == "1"
     for item in items:
         if "gpu" in item.keywords and not cuda:
             item.add_marker(skip_gpu)
+        if "interpreter" in item.keywords and not interpreting:
+            item.add_marker(skip_interp)
         if "slow" in item.keywords and not slow:
             item.add_marker(skip_slow)
 

@@ -100,26 +100,8 @@ def _block_max_kernel(s_ptr, ks_ptr, ke_ptr, out_ptr, N, NB, stride_s, stride_o,
 
 
 @triton.jit
-def _kth_radix4(keys, K: tl.constexpr):
-    """``_kth(keys, K, INT32_MIN, INT32_MIN + 2^32)`` two bits a step: 16 steps, each counting three thresholds in one
-    int64 sum (16-bit fields: a row holds at most 16,384 < 2^16 keys above INT32_MIN). Thresholds past INT32_MAX
-    clamp to it, which no key reaches (key(+inf) = 0x7F800000)."""
-    lo = tl.zeros((), tl.int64) + _INT32_MIN  # count(keys >= lo) >= K throughout
-    for r in tl.static_range(16):
-        sh = 30 - 2 * r
-        t1 = tl.minimum(lo + (1 << sh), 2**31 - 1).to(tl.int32)
-        t2 = tl.minimum(lo + (2 << sh), 2**31 - 1).to(tl.int32)
-        t3 = tl.minimum(lo + (3 << sh), 2**31 - 1).to(tl.int32)
-        c = (keys >= t1).to(tl.int64) + ((keys >= t2).to(tl.int64) << 16) + ((keys >= t3).to(tl.int64) << 32)
-        n = tl.sum(c, axis=0)
-        step = ((n & 0xFFFF) >= K).to(tl.int64) + (((n >> 16) & 0xFFFF) >= K).to(tl.int64) + ((n >> 32) >= K)
-        lo += step << sh
-    return lo
-
-
-@triton.jit
 def _block_select_kernel(bm_ptr, out_ptr, NB, stride_b, stride_o, K: tl.constexpr, NBP: tl.constexpr,
-                         RADIX4: tl.constexpr, FAST_SCANS: tl.constexpr):
+                         FAST_SCANS: tl.constexpr):
     row = tl.program_id(0)
     c = tl.arange(0, NBP)
     real = c < NB
@@ -127,11 +109,8 @@ def _block_select_kernel(bm_ptr, out_ptr, NB, stride_b, stride_o, K: tl.constexp
     v = tl.load(bm_row + c, mask=real, other=float("-inf"))
     key = _key(tl.where(v != v, float("inf"), v))  # topk_set's order: NaN as +inf, -0.0 as +0.0
     key = tl.where(real, key, _INT32_MIN)  # below key(-inf): padding is never picked (K <= NB)
-    if RADIX4:
-        thr = _kth_radix4(key, K).to(tl.int32)
-    else:
-        lo = tl.zeros((), tl.int64) + _INT32_MIN
-        thr = _kth(key, K, lo, lo + 2**32).to(tl.int32)  # the K-th largest key
+    lo = tl.zeros((), tl.int64) + _INT32_MIN
+    thr = _kth(key, K, lo, lo + 2**32).to(tl.int32)  # the K-th largest key
     above = key > thr
     ties = key == thr
     n_above = tl.sum(above.to(tl.int32), axis=0)
@@ -176,24 +155,25 @@ def select_warps(nbp: int) -> int:
     return max(4, min(16, nbp // 1024))
 
 
-SELECT_VARIANTS = {"bisect": (False, False), "bisect_fast": (False, True), "radix4_fast": (True, True)}
-SELECT_VARIANT = "bisect"  # RADIX4 / FAST_SCANS of the selection kernel (bench_indexer --only src times each)
+SELECT_VARIANTS = {"bisect": False, "bisect_fast": True}  # -> FAST_SCANS
+SELECT_VARIANT = "bisect_fast"  # H100, bench_indexer --only src (round 29): 1.052 ms against 1.407 for "bisect" at
+# 16 warps; 16 two-bit steps counting three thresholds in one packed sum took 1.510 (removed)
 
 
 def select_launch(bm: torch.Tensor, keep: int, out: torch.Tensor | None = None, num_warps: int | None = None,
                   variant: str | None = None) -> torch.Tensor:
     """``pick_blocks_ref`` by ``_block_select_kernel`` (rows of at most ``MAX_REGISTER_NB`` blocks); ``out`` [T,
     min(keep, NB)] int64 (a test's poisoned tensor) or None; ``num_warps`` None: ``select_warps``; ``variant`` a
-    key of ``SELECT_VARIANTS`` (None: ``SELECT_VARIANT``): the K-th key by 32 one-bit bisection steps or 16 two-bit
-    steps (``_kth_radix4``), and the tie-rank / -1-tail scans always or only on rows that need them."""
+    key of ``SELECT_VARIANTS`` (None: ``SELECT_VARIANT``): the tie-rank / -1-tail scans always, or only on rows
+    that need them (the K-th key by 32 one-bit bisection steps in both)."""
     t, nb = bm.shape
     k = min(keep, nb)
     out = torch.empty(t, k, device=bm.device, dtype=torch.int64) if out is None else out
     if t and k:
         nbp = triton.next_power_of_2(nb)
-        radix4, fast = SELECT_VARIANTS[variant or SELECT_VARIANT]
-        _block_select_kernel[(t,)](bm, out, nb, bm.stride(0), out.stride(0), K=k, NBP=nbp, RADIX4=radix4,
-                                   FAST_SCANS=fast, num_warps=num_warps or select_warps(nbp))
+        _block_select_kernel[(t,)](bm, out, nb, bm.stride(0), out.stride(0), K=k, NBP=nbp,
+                                   FAST_SCANS=SELECT_VARIANTS[variant or SELECT_VARIANT],
+                                   num_warps=num_warps or select_warps(nbp))
     return out
 
 

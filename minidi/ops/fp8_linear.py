@@ -299,6 +299,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, weigh
     -> [..., N] in x's dtype, equal bit for bit to ``F.linear(fq8(x, act_block), dequant_fp8(weight, scale,
     weight_block, x.dtype))`` on finite inputs (see the module doc). ``backend``: "auto" | "triton" | "ref"."""
     _check(x, weight, scale, weight_block, act_block)
+    fp8_gemm_blocks()  # a bad MINIDI_FP8_GEMM fails on every backend, not only where the route is looked at
     scale = scale.view(torch.uint8)
     if resolve_backend(backend, "fp8_linear", x, weight, scale) == "ref":
         return _fp8_linear_ref_op(x, weight, scale, weight_block, act_block)

@@ -106,26 +106,31 @@ def _(x, h, post, comb):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
+def check_args(op: str, x: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> None:
+    """The update's inputs as ``hc_expand`` documents them, on one device; else a ValueError naming ``op``."""
+    if x.dim() != 3 or x.dtype not in STREAM_DTYPES:
+        raise ValueError(f"{op}: x must be [T, n, D] bf16 / fp16 / fp32, got {tuple(x.shape)} {x.dtype}")
+    t, n, d = x.shape
+    if not 0 < n <= MAX_STREAMS:
+        raise ValueError(f"{op}: n must be in 1..{MAX_STREAMS}, got {n}")
+    if h.shape != (t, d) or not h.dtype.is_floating_point:
+        raise ValueError(f"{op}: h must be [T, D] = {(t, d)} float, got {tuple(h.shape)} {h.dtype}")
+    if post.shape != (t, n) or post.dtype != torch.float32:
+        raise ValueError(f"{op}: post must be [T, n] = {(t, n)} float32, got {tuple(post.shape)} {post.dtype}")
+    if comb.shape != (t, n, n) or comb.dtype != torch.float32:
+        raise ValueError(f"{op}: comb must be [T, n, n] = {(t, n, n)} float32, got {tuple(comb.shape)} "
+                         f"{comb.dtype}")
+    if len({x.device, h.device, post.device, comb.device}) != 1:
+        raise ValueError(f"{op}: inputs on different devices: {x.device}, {h.device}, {post.device}, "
+                         f"{comb.device}")
+
+
 def hc_expand(x: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
               backend: str = "auto") -> torch.Tensor:
     """x [T, n, D] streams (bf16 / fp16 / fp32), h [T, D] the sublayer's output (float), post [T, n] fp32,
     comb [T, n, n] fp32 -> x' [T, n, D] in x's dtype: x'_k = post_k * h + sum_j comb[j, k] * x_j (fp32, one
     rounding). ``backend``: "auto" (the kernel where it can run, else the reference), "triton" or "ref"."""
-    if x.dim() != 3 or x.dtype not in STREAM_DTYPES:
-        raise ValueError(f"hc_expand: x must be [T, n, D] bf16 / fp16 / fp32, got {tuple(x.shape)} {x.dtype}")
-    t, n, d = x.shape
-    if not 0 < n <= MAX_STREAMS:
-        raise ValueError(f"hc_expand: n must be in 1..{MAX_STREAMS}, got {n}")
-    if h.shape != (t, d) or not h.dtype.is_floating_point:
-        raise ValueError(f"hc_expand: h must be [T, D] = {(t, d)} float, got {tuple(h.shape)} {h.dtype}")
-    if post.shape != (t, n) or post.dtype != torch.float32:
-        raise ValueError(f"hc_expand: post must be [T, n] = {(t, n)} float32, got {tuple(post.shape)} {post.dtype}")
-    if comb.shape != (t, n, n) or comb.dtype != torch.float32:
-        raise ValueError(f"hc_expand: comb must be [T, n, n] = {(t, n, n)} float32, got {tuple(comb.shape)} "
-                         f"{comb.dtype}")
-    if len({x.device, h.device, post.device, comb.device}) != 1:
-        raise ValueError(f"hc_expand: inputs on different devices: {x.device}, {h.device}, {post.device}, "
-                         f"{comb.device}")
+    check_args("hc_expand", x, h, post, comb)
     if resolve_backend(backend, "hc_expand", x) == "ref":
         return hc_expand_ref(x, h, post, comb)
     return _hc_expand_op(x, h, post, comb)

@@ -187,11 +187,16 @@ def _(x, fn, pre):
     return _outputs(x, fn, pre)
 
 
-def _check(x: torch.Tensor, fn: torch.Tensor, pre: torch.Tensor | None) -> None:
-    def fail(what: str) -> None:
-        raise ValueError(f"hc_mix_fused: {what}")
+_X_DTYPES = (torch.bfloat16, torch.float32)
 
-    if x.dim() != 3 or x.dtype not in (torch.bfloat16, torch.float32):
+
+def check_args(op: str, x: torch.Tensor, fn: torch.Tensor, pre: torch.Tensor | None) -> None:
+    """x [T, n, D] bf16 / fp32, fn [M <= MAX_OUT, n D] fp32, pre [T, n] fp32 or None, on one device; else a
+    ValueError naming ``op`` and what is wrong."""
+    def fail(what: str) -> None:
+        raise ValueError(f"{op}: {what}")
+
+    if x.dim() != 3 or x.dtype not in _X_DTYPES:
         fail(f"x must be [T, n, D] bf16 / fp32, got {tuple(x.shape)} {x.dtype}")
     t, n, d = x.shape
     if fn.dim() != 2 or fn.dtype != torch.float32 or fn.shape[1] != n * d or not 0 < fn.shape[0] <= MAX_OUT:
@@ -208,10 +213,15 @@ def hc_mix_fused(x: torch.Tensor, fn: torch.Tensor, pre: torch.Tensor | None = N
     mean(z^2) (both fp32, z = flat(x) in fp32), u [T, D] in x's dtype = sum_j pre_j x_j, or an empty tensor when
     ``pre`` is None), from one read of x.
     ``backend``: "auto" (the kernel where it can run, else the reference), "triton" or "ref" (plain torch)."""
-    _check(x, fn, pre)
+    check_args("hc_mix_fused", x, fn, pre)
     if resolve_backend(backend, "hc_mix_fused", x, fn, pre) == "ref":
         g, ss, u = hc_mix_partials_ref(x, fn, pre)
     else:
         g, ss, u = _hc_mix_op(x, fn, pre)
-    n, d = x.shape[1], x.shape[2]
-    return g.sum(0), ss.sum(0).unsqueeze(-1) / (n * d), u
+    return (*sum_splits(g, ss, x.shape[1] * x.shape[2]), u)
+
+
+def sum_splits(g: torch.Tensor, ss: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's per-split partials g [S, T, M] and ss [S, T] -> (g [T, M], mean square [T, 1] over ``width``
+    = n D values): plain torch, which Inductor fuses into the mixer's kernel that reads them."""
+    return g.sum(0), ss.sum(0).unsqueeze(-1) / width

@@ -63,22 +63,22 @@ def expected_sites(cfg: ModelConfig, regional: bool = False) -> dict[str, list[i
     """Layer of every site each pass must match in one model step, from the config.
 
     A: every layer (window-only layers too); B: every index-source layer (V4.1: owners and re-index layers; V4: the
-    ratio-4 layers); C, E: every layer (one MoE each, hash-routed layers still compute the gate logits); D: every
-    layer, three times (w1, w3, w2); F: every layer twice (the attention and FFN mHC mixers), plus V4's head
-    (``hc_head``, outside the layers: site None) unless ``regional`` (only the layers are compiled then); J: F's
-    sites (each mixer's projection, mean square and, V4.1, the collapse of its input); K: every layer twice (each
-    mixer's Sinkhorn; V4's head has none); G: every layer twice (the stream update after attention and after the
-    MoE); H and I: every layer (the MoE's expert activation and its dispatch gather; in fp32 models only after D);
-    L: every layer twice with fake quant (the up and down expert GEMMs on FP8), none without; M: every V4.1 re-index
-    layer (its indexer scores only the candidate source's blocks); T: the V4.1 candidate source layer (its block
-    selection); N: every FP8 linear (per layer the attention's wq_a, wq_b, wkv, wo_b and the shared expert's w1, w3,
-    w2; an index-source layer's indexer wq_b; an Engram layer's wkv, except with ``regional``: the Engram front
-    graph has its own check); R: every group of FP8 linears that read one input with fake quant on (per layer
-    attention's wq_a + wkv and the shared expert's w1 + w3; an index-source layer's wq_b + indexer wq_b), none
-    without; O: the output head's GEMM (site None), except with ``regional`` (the head graph has its own check:
-    ``HEAD_PASSES``); P: every layer routed by score (the router's top-k; hash-routed layers have none); Q: every
-    layer (the MoE dispatch's sort by expert); S: two per softmax-pooling compressor a layer runs (its wkv and wgate
-    GEMMs: ``compressor_gemms``). Only the selected passes are checked."""
+    ratio-4 layers); C, E: every layer (one MoE each, hash-routed layers still compute the gate logits); D: every layer,
+    three times (w1, w3, w2); F: every layer twice (the attention and FFN mHC mixers), plus V4's head (``hc_head``,
+    outside the layers: site None) unless ``regional`` (only the layers are compiled then); J: F's sites (each mixer's
+    projection, mean square and, V4.1, the collapse of its input); K: every layer twice (each mixer's Sinkhorn; V4's
+    head has none); G: every layer twice (the stream update after attention and after the MoE); U: every layer (its
+    attention site's update and the MoE site's mixer reads of it: G's and J's ops); H and I: every layer (the MoE's
+    expert activation and its dispatch gather; in fp32 models only after D); L: every layer twice with fake quant (the
+    up and down expert GEMMs on FP8), none without; M: every V4.1 re-index layer (its indexer scores only the candidate
+    source's blocks); T: the V4.1 candidate source layer (its block selection); N: every FP8 linear (per layer the
+    attention's wq_a, wq_b, wkv, wo_b and the shared expert's w1, w3, w2; an index-source layer's indexer wq_b; an
+    Engram layer's wkv, except with ``regional``: the Engram front graph has its own check); R: every group of FP8
+    linears that read one input with fake quant on (per layer attention's wq_a + wkv and the shared expert's w1 + w3; an
+    index-source layer's wq_b + indexer wq_b), none without; O: the output head's GEMM (site None), except with
+    ``regional`` (the head graph has its own check: ``HEAD_PASSES``); P: every layer routed by score (the router's
+    top-k; hash-routed layers have none); Q: every layer (the MoE dispatch's sort by expert); S: two per softmax-pooling
+    compressor a layer runs (its wkv and wgate GEMMs: ``compressor_gemms``). Only the selected passes are checked."""
     layers = list(range(cfg.n_layers))
     head: list[int | None] = [] if (cfg.is_v41 or regional) else [None]
     return {
@@ -91,6 +91,7 @@ def expected_sites(cfg: ModelConfig, regional: bool = False) -> dict[str, list[i
         "J": [i for i in layers for _ in range(HC_SITES_PER_LAYER)] + head,
         "K": [i for i in layers for _ in range(HC_SITES_PER_LAYER)],
         "G": [i for i in layers for _ in range(HC_SITES_PER_LAYER)],
+        "U": layers,
         "H": layers,
         "I": layers,
         "L": [i for i in layers for _ in range(FP8_EXPERT_SITES)] if fp8_experts_apply(cfg) else [],

@@ -15,8 +15,9 @@ from triton.runtime import interpreter
 
 from bench import minidi_work
 from bench.kernel_table import kernel_table
-from minidi.ops import (candidate_blocks, expert_order, fp8_linear, fp8_quant, fq8, gate_tf32x3, hc_expand, hc_mix,
-                        hc_sinkhorn, head_logits, moe_activation, moe_combine, moe_gather, row_topk, sparse_attention)
+from minidi.ops import (candidate_blocks, expert_order, fp8_linear, fp8_quant, fq8, gate_tf32x3, hc_expand,
+                        hc_expand_mix, hc_mix, hc_sinkhorn, head_logits, moe_activation, moe_combine, moe_gather,
+                        row_topk, sparse_attention)
 from minidi.runtime.expert_parallel import rotated_blocks
 
 def _gen(seed: int = 0) -> torch.Generator:
@@ -88,6 +89,9 @@ WHOLE = {  # op -> a call of it (kernels of one call)
                                                      torch.rand(6, 4, 4), backend="triton"),
     "minidi::hc_mix_partials": lambda: hc_mix.hc_mix_fused(_bf16(5, 4, 128), torch.randn(24, 512, generator=_gen(1)),
                                                            torch.rand(5, 4), backend="triton"),
+    "minidi::hc_expand_mix": lambda: hc_expand_mix.hc_expand_mix(
+        _bf16(5, 4, 128), _bf16(5, 128, seed=1), torch.rand(5, 4), torch.rand(5, 4, 4),
+        torch.randn(24, 512, generator=_gen(1)), torch.rand(5, 4), backend="triton"),
     "minidi::hc_sinkhorn": lambda: hc_sinkhorn.hc_sinkhorn(torch.randn(7, 4, 4, generator=_gen()), 3, 1e-6,
                                                            backend="triton"),
     "minidi::fq8": lambda: fq8.fq8(_bf16(3, 5, 64), 32, backend="triton"),

@@ -124,7 +124,7 @@ def test_select_kernel_fills_every_slot():
 @pytest.mark.parametrize("variant", sorted(cb.SELECT_VARIANTS))
 @pytest.mark.parametrize("levels", [0, 3])
 def test_every_select_variant_equals_the_reference(variant, levels):
-    """Each selection variant (one-bit bisection or two-bit steps; scans always or only where needed) on maxima with
+    """Each selection variant (the tie-rank / -1-tail scans always or only where needed) on maxima with
     exact ties (``levels``), NaN, -inf and forced blocks, keep = 1, a few, all blocks; a poisoned output."""
     seed = int(torch.randint(0, 2**31 - 1, ()))
     s, ks, ke = make(6, 150, seed, levels=levels)

@@ -14,7 +14,8 @@ from minidi.ops.fp8_linear import (dequant_launch, fp8_grouped_linear, fp8_group
                                     fp8_linear_ref)
 
 gpu = pytest.mark.gpu
-DEVICES = ["cpu", pytest.param("cuda", marks=gpu)]
+interpreter = pytest.mark.interpreter  # the kernels on CPU tensors
+DEVICES = [pytest.param("cpu", marks=interpreter), pytest.param("cuda", marks=gpu)]
 
 
 @pytest.fixture(autouse=True)
@@ -101,6 +102,7 @@ def test_dequant_kernel_every_byte_and_edge_codes_fp32(device):
     assert torch.equal(torch.signbit(got[finite]), torch.signbit(want[finite]))
 
 
+@interpreter
 def test_dequant_kernel_bf16_where_the_interpreter_rounds_like_the_gpu():
     """bf16 outputs of normal magnitude (every code of a real checkpoint's tiles) are exact. Products below bf16's
     normal range (codes near 0) round in the conversion, where the interpreter's fp32 -> bf16 cast differs from the
@@ -147,6 +149,7 @@ def test_bad_input_is_named():
         fp8_linear(torch.zeros(3, 96, dtype=torch.bfloat16), *weights(8, 96, 32, torch.Generator()), 32, 128)
 
 
+@interpreter
 def test_opcheck():
     """Fake, AOT static and dynamic; the schema test is left out (it compares e4m3 inputs with ops e4m3 does not
     implement on the CPU)."""
@@ -195,6 +198,7 @@ def test_grouped_matches_the_model(device, backend, t, g, o, i, block, dtype):
     assert same_bits(fp8_grouped_linear_ref(x, w, s, block), want)
 
 
+@interpreter
 def test_grouped_keeps_the_dequantised_weight(monkeypatch):
     """The weight is dequantised once per weight tensor (``fp8_linear``'s cache), not per call."""
     import minidi.ops.fp8_linear as fl
@@ -223,6 +227,7 @@ def test_grouped_bad_input_is_named():
         fp8_grouped_linear(torch.zeros(3, 2, 64, dtype=torch.bfloat16), w, s, 64)
 
 
+@interpreter
 def test_grouped_opcheck():
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(4, 2, 64, generator=gen).bfloat16()

@@ -60,6 +60,7 @@ def test_route_needs_the_mode_equal_blocks_and_a_gpu(monkeypatch):
     assert not fl.fp8_gemm_route(x, w, 128, 128)
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("block", [32, 128])
 def test_plumbing_with_the_reference_gemm(monkeypatch, block):
     """The op's FP8 branch on the CPU with ``fp8_gemm_sm90`` replaced by ``fp8_gemm_ref`` (fp64, rounded once):

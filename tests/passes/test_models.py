@@ -56,13 +56,13 @@ def test_every_site_matched(compiled):
         assert Counter(compiled.manager.sites[key]) == Counter(layers), key
     if compiled.name == "tiny-v41":
         assert compiled.manager.counts == {"C": 10, "E": 10, "D": 30, "A": 10, "B": 4, "F": 20, "J": 20, "K": 20,
-                                           "G": 20, "H": 10, "I": 10, "L": 0,
+                                           "G": 20, "U": 10, "H": 10, "I": 10, "L": 0,
                                            "M": 1, "T": 1, "N": 86, "R": 0, "O": 1, "P": 10, "Q": 10,
                                            "S": 4}  # L, R: fake quant off; S: 2 ratio-2 kv sources
     else:  # F, J: two mixers per layer + V4's hc_head
         assert compiled.manager.counts == {"C": 4, "E": 4, "D": 12, "A": 4, "B": 2, "F": 9, "J": 9, "K": 8, "G": 8,
-                                           "H": 4, "I": 4, "L": 0, "M": 0, "T": 0, "N": 34, "R": 0, "O": 1, "P": 3,
-                                           "Q": 4, "S": 10}  # P: layer 0 is hash-routed; L, R: fake quant off
+                                           "U": 4, "H": 4, "I": 4, "L": 0, "M": 0, "T": 0, "N": 34, "R": 0, "O": 1,
+                                           "P": 3, "Q": 4, "S": 10}  # P: layer 0 is hash-routed; L, R: fake quant off
 
 
 def test_logits_equal_uncompiled(compiled):
@@ -90,9 +90,10 @@ def test_naive_ops_gone(compiled):
         "minidi.ops.fp4_grouped_gemm.fp4_grouped_mm": want["D"],
         "minidi.ops.gate_tf32x3.gate_tf32x3": want["E"] + want["S"],  # the router, the compressors' GEMMs (J took
         # F's mHC projections)
-        "minidi.ops.hc_mix.hc_mix_fused": want["J"],
+        "minidi.ops.hc_mix.hc_mix_fused": want["J"] - want["U"],  # U took each layer's second mixer's reads
+        "minidi.ops.hc_expand_mix.hc_expand_mix": want["U"],  # with the update they read
         "minidi.ops.hc_sinkhorn.hc_sinkhorn": want["K"],
-        "minidi.ops.hc_expand.hc_expand": want["G"],
+        "minidi.ops.hc_expand.hc_expand": want["G"] - want["U"],
         "minidi.ops.moe_activation.moe_activation": want["H"],
         "minidi.ops.moe_gather.gather_rows": want["I"],
         "minidi.ops.fp8_linear.fp8_linear": want["N"] - want["A"],  # N's sites: every FP8 linear, and each
@@ -150,8 +151,7 @@ indexer_topk
 sparse_attention
 fp8_grouped_linear
 fp8_linear
-hc_expand
-hc_mix_fused
+hc_expand_mix
 hc_sinkhorn
 gate_tf32x3
 row_topk
@@ -236,7 +236,7 @@ def test_second_tiny_config_counts_traced():
     model = minidi.load_model("tiny-v41-b", dtype="float32", fake_quant=False)
     want = {k: len(v) for k, v in expected_sites(model.cfg).items()}
     assert trace_counts(model, 24) == want == {"A": 8, "B": 3, "C": 8, "D": 24, "E": 8, "F": 16, "J": 16, "K": 16,
-                                                "G": 16, "H": 8, "I": 8, "L": 0, "M": 1, "T": 1,
+                                                "G": 16, "U": 8, "H": 8, "I": 8, "L": 0, "M": 1, "T": 1,
                                                 "N": 68, "R": 0, "O": 1, "P": 8, "Q": 8, "S": 2}
 
 

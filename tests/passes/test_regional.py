@@ -87,7 +87,7 @@ def test_counts_sum_over_layers(regional):
     want = {k: len(v) for k, v in expected_sites(regional.cfg, regional=True).items()}
     want["O"] += 1  # the head graph's GEMM: no layer's site (its own check), in the step's counts
     assert regional.step.counts == want == {"A": 10, "B": 4, "C": 10, "D": 30, "E": 10, "F": 20, "J": 20,
-                                                    "K": 20, "G": 20, "H": 10, "I": 10, "L": 0,
+                                                    "K": 20, "G": 20, "U": 10, "H": 10, "I": 10, "L": 0,
                                                     "M": 1, "T": 1, "N": 84, "R": 0, "O": 1, "P": 10, "Q": 10,
                                                     "S": 4}  # N: the 2 Engram wkv in the fronts
     for i, counts in regional.manager.layer_counts.items():  # each graph: the sites of its own layer
@@ -140,8 +140,9 @@ def test_naive_code_gone_from_a_layer_graph(regional):
                                   "expert_order"]
                                  + ["gate_tf32x3"] * 2  # the compressor's wkv and wgate GEMMs (S)
                                  + ["fp4_grouped_mm"] * 3
-                                 + ["hc_mix_fused", "hc_sinkhorn"] * 2  # the two mixers (F's projection in J; K)
-                                 + ["hc_expand"] * 2  # and the two stream updates (G)
+                                 + ["hc_mix_fused", "hc_sinkhorn", "hc_sinkhorn"]  # the mixers (F in J; K)
+                                 + ["hc_expand_mix", "hc_expand"]  # the updates (G; U: the first with the MoE
+                                 # site's mixer reads, J's second op)
                                  + ["moe_activation", "gather_rows"]  # the MoE's activation (H) and gather (I)
                                  + ["fp8_linear"] * 8  # wq_a, wq_b, wkv, wo_b, the indexer's wq_b, shared w1 w3 w2
                                  + ["fp8_grouped_linear"])  # wo_a
