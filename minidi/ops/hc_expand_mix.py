@@ -158,7 +158,7 @@ def launch(x: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Ten
 
 # ---- custom op -----------------------------------------------------------------------------------------------------
 def _outputs(x: torch.Tensor, fn: torch.Tensor, pre: torch.Tensor | None):
-    g, ss, u = _mix._outputs(x, fn, pre)
+    g, ss, u = _mix.partial_outputs(x, fn, pre)
     return torch.empty_like(x, memory_format=torch.contiguous_format), g, ss, u
 
 

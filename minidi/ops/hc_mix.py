@@ -162,7 +162,8 @@ def launch(x: torch.Tensor, fn: torch.Tensor, pre: torch.Tensor | None, g: torch
 
 
 # ---- custom op -----------------------------------------------------------------------------------------------------
-def _outputs(x: torch.Tensor, fn: torch.Tensor, pre: torch.Tensor | None):
+def partial_outputs(x: torch.Tensor, fn: torch.Tensor, pre: torch.Tensor | None):
+    """The kernel's outputs, empty: g [S, T, M] and ss [S, T] fp32, u [T, D] in x's dtype (empty without pre)."""
     t, _, d = x.shape
     g = x.new_empty((SPLITS, t, fn.shape[0]), dtype=torch.float32)
     ss = x.new_empty((SPLITS, t), dtype=torch.float32)
@@ -177,17 +178,17 @@ def _hc_mix_op(x: torch.Tensor, fn: torch.Tensor, pre: torch.Tensor | None
         raise cannot_run("minidi::hc_mix_partials", x, fn, pre)
     x = x if x.stride(-1) == 1 else x.contiguous()
     pre = None if pre is None else pre.contiguous()
-    g, ss, u = _outputs(x, fn, pre)
+    g, ss, u = partial_outputs(x, fn, pre)
     launch(x, fn, pre, g, ss, u)
     return g, ss, u
 
 
 @_hc_mix_op.register_fake
 def _(x, fn, pre):
-    return _outputs(x, fn, pre)
+    return partial_outputs(x, fn, pre)
 
 
-_X_DTYPES = (torch.bfloat16, torch.float32)
+X_DTYPES = (torch.bfloat16, torch.float32)  # the streams the kernel reads
 
 
 def check_args(op: str, x: torch.Tensor, fn: torch.Tensor, pre: torch.Tensor | None) -> None:
@@ -196,7 +197,7 @@ def check_args(op: str, x: torch.Tensor, fn: torch.Tensor, pre: torch.Tensor | N
     def fail(what: str) -> None:
         raise ValueError(f"{op}: {what}")
 
-    if x.dim() != 3 or x.dtype not in _X_DTYPES:
+    if x.dim() != 3 or x.dtype not in X_DTYPES:
         fail(f"x must be [T, n, D] bf16 / fp32, got {tuple(x.shape)} {x.dtype}")
     t, n, d = x.shape
     if fn.dim() != 2 or fn.dtype != torch.float32 or fn.shape[1] != n * d or not 0 < fn.shape[0] <= MAX_OUT:

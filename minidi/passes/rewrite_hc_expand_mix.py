@@ -25,7 +25,7 @@ from torch.fx import Node
 
 from minidi.ops.hc_expand import hc_expand
 from minidi.ops.hc_expand_mix import hc_expand_mix
-from minidi.ops.hc_mix import _X_DTYPES, hc_mix_fused
+from minidi.ops.hc_mix import X_DTYPES, hc_mix_fused
 
 from .base import Match, Rewrite
 from .fx_utils import dtype, layer_of, untouched_between
@@ -41,7 +41,7 @@ class HCExpandMix(Rewrite):
     requires = ("G", "J")
 
     def match(self, node: Node) -> Match | None:
-        if not _call(node, hc_expand, 4) or dtype(node) not in _X_DTYPES:
+        if not _call(node, hc_expand, 4) or dtype(node) not in X_DTYPES:
             return None
         mix = next((u for u in node.users if _call(u, hc_mix_fused, 3) and u.args[0] is node), None)
         if mix is None:

@@ -25,13 +25,11 @@ import torch
 from torch.fx import Node
 
 from minidi.ops.gate_tf32x3 import gate_tf32x3
-from minidi.ops.hc_mix import MAX_OUT, hc_mix_fused
+from minidi.ops.hc_mix import MAX_OUT, X_DTYPES, hc_mix_fused
 
 from .base import Match, Rewrite
 from .fx_utils import arg, dims_equal, dtype, is_call, mutation_between, n_args, rank, same_int, val
 from .patterns import fp32_gemm
-
-_X_DTYPES = (torch.bfloat16, torch.float32)
 
 
 def _only_user(node: Node) -> Node | None:
@@ -104,7 +102,7 @@ class HCMixFused(Rewrite):
         if not (is_call(x2d, "reshape") and rank(x2d) == 2) or dtype(fn) != torch.float32 or rank(fn) != 2:
             return None
         x = arg(x2d, 0)
-        if not isinstance(x, Node) or rank(x) != 3 or dtype(x) not in _X_DTYPES or dtype(x2d) != dtype(x):
+        if not isinstance(x, Node) or rank(x) != 3 or dtype(x) not in X_DTYPES or dtype(x2d) != dtype(x):
             return None
         rows = val(fn).shape[0]
         if not isinstance(rows, int) or rows > MAX_OUT or not same_int(val(x2d).shape[0], val(x).shape[0]):
