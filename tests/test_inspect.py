@@ -20,12 +20,12 @@ def test_inspect_cli(tmp_path, capsys):
         assert main(["--model", "tiny-v4", "--out", str(tmp_path), "--tokens", "8"]) == 0
     assert not [w for w in caught if "minidi passes" in str(w.message)]  # no graph with missed sites
     out = capsys.readouterr().out
-    keys = ("A ", "B ", "C ", "D ", "E ", "F ", "G ", "H ", "I ", "J ", "K ", "L ", "M ", "N ", "R ", "U ")
+    keys = ("A ", "B ", "C ", "D ", "E ", "F ", "G ", "H ", "I ", "J ", "K ", "L ", "M ", "N ", "R ")
     rows = {line.split()[0]: line.split() for line in out.splitlines() if line[:2] in keys}
     assert {k: (int(r[2]), int(r[3])) for k, r in rows.items()} == {
         "A": (4, 4), "B": (2, 2), "C": (4, 4), "D": (12, 12), "E": (4, 4), "F": (9, 9), "G": (8, 8),
         "H": (4, 4), "I": (4, 4), "J": (9, 9), "K": (8, 8), "L": (0, 0),
-        "M": (0, 0), "N": (34, 34), "R": (0, 0), "U": (4, 4)}  # L, R: fake quant off here; M: V4.1 only
+        "M": (0, 0), "N": (34, 34), "R": (0, 0)}  # L, R: fake quant off here; M: V4.1 only
     assert "4x sparse_attention" in out and "12x fp4_grouped_mm" in out
     before = (tmp_path / "graph_before_passes.py").read_text()
     after = (tmp_path / "graph_after_passes.py").read_text()

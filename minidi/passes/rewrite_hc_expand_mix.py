@@ -15,6 +15,10 @@ nothing mutates x2, pre or fn between the two calls; x bf16 / fp32 (J's dtypes);
 layer's other site (the MoE's update, read by the next layer's attention mixer) crosses a layer boundary, which a
 per-layer compile (the default) never sees in one graph; a whole-model graph leaves it too, so the sites are the
 same in both: one a layer.
+
+Opt-in (``passes="all,U"``; not part of "all"): the op is bit for bit G's and J's on the interpreter and compiles for
+sm_90 without spilling (8 warps, 255 registers), but no GPU has timed it yet (round 29 got no device call for it):
+``bench/bench_hc_expand_mix.py`` and the step with ``--passes all,U`` beside ``--passes all`` decide the default.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ class HCExpandMix(Rewrite):
     key = "U"
     name = "hc_expand_mix"
     requires = ("G", "J")
+    in_all = False  # opt-in (passes="all,U") until a GPU has timed its op against G's and J's in the step
 
     def match(self, node: Node) -> Match | None:
         if not _call(node, hc_expand, 4) or dtype(node) not in X_DTYPES:

@@ -41,7 +41,7 @@ def compiled(request):
     torch._dynamo.reset()
     counters.clear()
     model = minidi.load_model(request.param, dtype="float32", fake_quant=False)
-    engine = Engine(model, compile=True, passes="all",
+    engine = Engine(model, compile=True, passes="all,U",  # U: opt-in, its sites counted here too
                     compile_kwargs={"backend": "aot_eager", "strict": True, "keep_graphs": True}, **KW)
     out = engine.prefill(requests())
     ref = Engine(model, **KW).prefill(requests())
@@ -225,7 +225,7 @@ def trace_counts(model: torch.nn.Module, n_tokens: int) -> dict[str, int]:
     dev = next(model.parameters()).device
     ids = torch.arange(n_tokens, device=dev) % cfg.vocab_size
     meta = StepMeta.for_sequence(ids, cfg.window_size, model.ratios, cfg.step_ngram)
-    step = minidi.compile(model, "all", backend=_trace_only, strict=True)
+    step = minidi.compile(model, "all,U", backend=_trace_only, strict=True)  # U: opt-in
     # specialize_float: Dynamo cannot build ``torch.tensor`` of lifted symbolic floats (the e2m1 grid) on meta
     with dynamic_shape_config(), torch._dynamo.config.patch(specialize_float=True), pytest.raises(_Traced):
         step(meta, ModelCache())

@@ -62,7 +62,7 @@ def last_graph_of(compiled: SimpleNamespace, layer: int) -> int:
 
 @pytest.fixture(scope="module")
 def regional():
-    return compile_regional("all", keep_graphs=True)
+    return compile_regional("all,U", keep_graphs=True)  # U: opt-in, its sites counted here too
 
 
 def test_one_graph_per_layer_kind(regional):
@@ -166,7 +166,7 @@ def test_strict_checks_the_layer_compiled_for(regional):
     """The same graph checked against another layer's sites: layer 8's graph has an indexer, layer 7's kind none."""
     i = last_graph_of(regional, 8)
     before, _ = regional.manager.graphs[i]
-    manager = PassManager("all", strict=True, expected=expected_sites(regional.cfg))
+    manager = PassManager("all,U", strict=True, expected=expected_sites(regional.cfg))  # the fixture's passes
     manager.current_layer = 7
     with pytest.raises(PassMatchError, match=r"pass B \(indexer_topk\): expected 0 site\(s\), matched 1; "
                                              r"unexpected matches in layers \[7\]"):
