@@ -1,8 +1,8 @@
 """The router's expert loads in one eager step (``bench_prefill.py --expert_loads``): rows per expert, per MoE layer.
 
-Why: the fused FP4 GEMM runs at 467 TFLOP/s on uniform rows and ~300 on skewed ones (docs/benchmarks), so how
-unevenly the (random-weight) router spreads tokens decides much of the MoE stage. Per layer, over the experts this
-rank holds:
+Why: the fused FP4 GEMM runs at 638.7 TFLOP/s on uniform rows at EP4 and 482.5 on skewed ones (H100, round 25:
+``docs/benchmarks/README.md``, FP4 expert GEMM), so how unevenly the (random-weight) router spreads tokens decides
+much of the MoE stage. Per layer, over the experts this rank holds:
 
     rows_e      rows routed to local expert e (emulated EP N: N times this rank's count, as the synthesised ranks
                 are this rank's tokens rotated; real ranks: this rank's own tokens only)
