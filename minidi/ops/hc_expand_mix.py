@@ -31,7 +31,7 @@ import triton.language as tl
 from . import hc_expand as _expand
 from . import hc_mix as _mix
 from ._triton_utils import cannot_run, interpreting, resolve_backend, round_bf16, triton_can_run
-from ._weight_cache import cached_per_tensor
+from .hc_mix import mix_stream_step
 
 
 # ---- reference -----------------------------------------------------------------------------------------------------
@@ -50,9 +50,9 @@ def _hc_expand_mix_kernel(x_ptr, h_ptr, post_ptr, comb_ptr, out_ptr, w_ptr, pre_
                           N: tl.constexpr, MP: tl.constexpr, COLLAPSE: tl.constexpr, X_BF16: tl.constexpr,
                           ROUND_BF16: tl.constexpr, INTERPRET: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
     """Program (token block, split of D), over its D range in BD steps: for each output stream k, x2_k = post_k h +
-    sum_j comb[j, k] x_j (``_hc_expand_kernel``'s arithmetic), stored; then on the stored values ``_hc_mix_kernel``'s
-    step for stream k (squares, u += pre_k x2_k, the projection part x2_k @ (f2 + f1 + f0)^T in a fresh
-    accumulator added in IEEE fp32)."""
+    sum_j comb[j, k] x_j (``_hc_expand_kernel``'s arithmetic), stored; then on the stored values the step
+    ``_hc_mix_kernel`` takes for stream k, ``mix_stream_step`` itself (squares, u += pre_k x2_k, the projection
+    part)."""
     t0 = tl.program_id(0) * BT
     rb = tl.arange(0, BT)
     t_ok = t0 + rb < T
@@ -92,24 +92,8 @@ def _hc_expand_mix_kernel(x_ptr, h_ptr, post_ptr, comb_ptr, out_ptr, w_ptr, pre_
                 xk = round_bf16(xk)
             xk = xk.to(out_ptr.dtype.element_ty)  # x2_k as stored: the mixer reads these values
             tl.store(o_blk + (k * so_j + d0) + o_offs, xk, mask=xm)
-            xf = xk.to(tl.float32)
-            sq += xf * xf
-            if COLLAPSE:
-                prek = tl.load(pre_ptr + rows * spre_t + k, mask=t_ok, other=0.0)
-                u += prek[:, None] * xf
-            w_ptrs = w_ptr + (k * D + d0) + w_offs
-            w2 = tl.load(w_ptrs + 2 * sw_piece, mask=wm, other=0.0)
-            w1 = tl.load(w_ptrs + sw_piece, mask=wm, other=0.0)
-            w0 = tl.load(w_ptrs, mask=wm, other=0.0)
-            if INTERPRET or not X_BF16:  # as _hc_mix_kernel: fp32 dots where the bf16 dot is not exact / not right
-                part = tl.dot(xf, w2.to(tl.float32), input_precision="ieee")
-                part = tl.dot(xf, w1.to(tl.float32), part, input_precision="ieee")
-                part = tl.dot(xf, w0.to(tl.float32), part, input_precision="ieee")
-            else:
-                part = tl.dot(xk, w2)
-                part = tl.dot(xk, w1, part)
-                part = tl.dot(xk, w0, part)
-            acc += part
+            sq, u, acc = mix_stream_step(xk, pre_ptr + rows * spre_t + k, t_ok, w_ptr + (k * D + d0) + w_offs,
+                                         sw_piece, wm, sq, u, acc, COLLAPSE, X_BF16, INTERPRET)
         if COLLAPSE:
             if X_BF16:
                 u = round_bf16(u)
@@ -135,16 +119,11 @@ def launch(x: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Ten
     (pre given) u [T, D], D split S = g.shape[0] ways; ``config`` overrides tiles, warps and stages (the same
     tiles give the same sums as ``hc_mix``; the default: ``default_config``)."""
     t, n, d = x.shape
-    m, splits = fn.shape[0], g.shape[0]
+    m = fn.shape[0]
     if t == 0:
         return
     cfg = default_config(t, d, x.dtype) | config
-    pieces = cached_per_tensor("hc_mix fn pieces", fn, _mix.fn_pieces)  # the entry hc_mix keeps for this weight
-    d_per = triton.cdiv(triton.cdiv(d, splits), cfg["BD"]) * cfg["BD"]
-    used = triton.cdiv(d, d_per)
-    if used < splits:  # a narrow D: the splits past it hold zeros
-        g[used:].zero_()
-        ss[used:].zero_()
+    pieces, d_per, used = _mix.split_plan(fn, d, cfg["BD"], g, ss)  # hc_mix's pieces entry for this weight
     collapse = pre is not None
     _hc_expand_mix_kernel[(triton.cdiv(t, cfg["BT"]), used)](
         x, h, post, comb, out, pieces, pre if collapse else ss, g, ss, u if collapse else ss,

@@ -55,6 +55,32 @@ def hc_mix_partials_ref(x: torch.Tensor, fn: torch.Tensor, pre: torch.Tensor | N
 
 # ---- kernel --------------------------------------------------------------------------------------------------------
 @triton.jit
+def mix_stream_step(xj, pre_ptrs, t_ok, w_ptrs, sw_piece, wm, sq, u, acc, COLLAPSE: tl.constexpr,
+                    X_BF16: tl.constexpr, INTERPRET: tl.constexpr):
+    """One stream's tile xj [BT, BD] (the stream dtype) of a BD step: its squares into sq (summed per element),
+    pre_j xj into u (``COLLAPSE``; pre_j read at ``pre_ptrs``), and its projection part xj @ (f2 + f1 + f0)^T of the
+    pieces at ``w_ptrs`` (fn^T [BD, MP], pieces ``sw_piece`` apart) in a fresh accumulator added to acc in IEEE fp32.
+    -> (sq, u, acc). ``_hc_mix_kernel`` and pass U's kernel both call it: the same arithmetic in the same order."""
+    xf = xj.to(tl.float32)
+    sq += xf * xf
+    if COLLAPSE:
+        pj = tl.load(pre_ptrs, mask=t_ok, other=0.0)
+        u += pj[:, None] * xf
+    w2 = tl.load(w_ptrs + 2 * sw_piece, mask=wm, other=0.0)
+    w1 = tl.load(w_ptrs + sw_piece, mask=wm, other=0.0)
+    w0 = tl.load(w_ptrs, mask=wm, other=0.0)
+    if INTERPRET or not X_BF16:  # fp32 dots: the interpreter's bf16 dot is wrong; an fp32 x is not exact
+        part = tl.dot(xf, w2.to(tl.float32), input_precision="ieee")  # in bf16 (test models), IEEE products
+        part = tl.dot(xf, w1.to(tl.float32), part, input_precision="ieee")
+        part = tl.dot(xf, w0.to(tl.float32), part, input_precision="ieee")
+    else:  # small pieces first; the last dot's accumulator is not 0, so ``acc + part`` is not folded
+        part = tl.dot(xj, w2)
+        part = tl.dot(xj, w1, part)
+        part = tl.dot(xj, w0, part)
+    return sq, u, acc + part
+
+
+@triton.jit
 def _hc_mix_kernel(x_ptr, w_ptr, pre_ptr, g_ptr, ss_ptr, u_ptr,
                    T, D, M, D_PER_SPLIT, sx_t, sx_j, sw_piece, sw_m, sg_split, sg_t, ss_split, su_t, sp_t,
                    N: tl.constexpr, MP: tl.constexpr, COLLAPSE: tl.constexpr, X_BF16: tl.constexpr,
@@ -83,24 +109,9 @@ def _hc_mix_kernel(x_ptr, w_ptr, pre_ptr, g_ptr, ss_ptr, u_ptr,
         u = tl.zeros((BT, BD), dtype=tl.float32)
         for j in tl.static_range(N):
             xj = tl.load(x_blk + (j * sx_j + d0) + x_offs, mask=xm, other=0.0)
-            xf = xj.to(tl.float32)
-            sq += xf * xf
-            if COLLAPSE:
-                pj = tl.load(pre_ptr + (t0 + rb).to(tl.int64) * sp_t + j, mask=t_ok, other=0.0)
-                u += pj[:, None] * xf
-            w_ptrs = w_ptr + (j * D + d0) + w_offs
-            w2 = tl.load(w_ptrs + 2 * sw_piece, mask=wm, other=0.0)
-            w1 = tl.load(w_ptrs + sw_piece, mask=wm, other=0.0)
-            w0 = tl.load(w_ptrs, mask=wm, other=0.0)
-            if INTERPRET or not X_BF16:  # fp32 dots: the interpreter's bf16 dot is wrong; an fp32 x is not exact
-                part = tl.dot(xf, w2.to(tl.float32), input_precision="ieee")  # in bf16 (test models), IEEE products
-                part = tl.dot(xf, w1.to(tl.float32), part, input_precision="ieee")
-                part = tl.dot(xf, w0.to(tl.float32), part, input_precision="ieee")
-            else:  # small pieces first; the last dot's accumulator is not 0, so ``acc += part`` is not folded
-                part = tl.dot(xj, w2)
-                part = tl.dot(xj, w1, part)
-                part = tl.dot(xj, w0, part)
-            acc += part
+            sq, u, acc = mix_stream_step(xj, pre_ptr + (t0 + rb).to(tl.int64) * sp_t + j, t_ok,
+                                         w_ptr + (j * D + d0) + w_offs, sw_piece, wm, sq, u, acc,
+                                         COLLAPSE, X_BF16, INTERPRET)
         if COLLAPSE:
             if X_BF16:
                 u = round_bf16(u)  # the interpreter's fp32 -> bf16 cast truncates
@@ -134,21 +145,29 @@ def fn_pieces(fn: torch.Tensor) -> torch.Tensor:
     return torch.stack([p0, p1, p2])
 
 
+def split_plan(fn: torch.Tensor, d: int, bd: int, g: torch.Tensor, ss: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """(fn's bf16 pieces, kept per weight tensor; D per split, a multiple of ``bd``; the splits D uses) for partials
+    g [S, T, M], ss [S, T] over S = g.shape[0] splits; the splits a narrow D leaves unused are zeroed."""
+    pieces = cached_per_tensor("hc_mix fn pieces", fn, fn_pieces)  # fn is a weight: split once, not every call
+    splits = g.shape[0]
+    d_per = triton.cdiv(triton.cdiv(d, splits), bd) * bd
+    used = triton.cdiv(d, d_per)
+    if used < splits:  # a narrow D: the splits past it hold zeros
+        g[used:].zero_()
+        ss[used:].zero_()
+    return pieces, d_per, used
+
+
 def launch(x: torch.Tensor, fn: torch.Tensor, pre: torch.Tensor | None, g: torch.Tensor, ss: torch.Tensor,
            u: torch.Tensor, **config) -> None:
     """Checked tensors, x and fn with a unit stride in D; writes g [S, T, M], ss [S, T] and (pre given) u [T, D],
     D split S ways (S = g.shape[0]: the op's SPLITS; a bench may give other S)."""
     t, n, d = x.shape
-    m, splits = fn.shape[0], g.shape[0]
+    m = fn.shape[0]
     if t == 0:
         return
     cfg = default_config(t, d, x.dtype) | config
-    pieces = cached_per_tensor("hc_mix fn pieces", fn, fn_pieces)  # fn is a weight: split once, not every call
-    d_per = triton.cdiv(triton.cdiv(d, splits), cfg["BD"]) * cfg["BD"]
-    used = triton.cdiv(d, d_per)
-    if used < splits:  # a narrow D: the splits past it hold zeros
-        g[used:].zero_()
-        ss[used:].zero_()
+    pieces, d_per, used = split_plan(fn, d, cfg["BD"], g, ss)
     grid = (triton.cdiv(t, cfg["BT"]), used)
     collapse = pre is not None
     pre_arg = pre if collapse else ss
