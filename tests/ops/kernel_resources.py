@@ -66,5 +66,25 @@ def moe_activation_fp8_default() -> dict:
     return resources(act._moe_activation_kernel, sig, consts, div, num_warps=warps)
 
 
+def hc_expand_mix_default() -> dict:
+    """``_hc_expand_mix_kernel`` (pass U) at V4.1-Flash's MoE site (bf16 streams and h, collapse, D 5,120) with its
+    default config."""
+    from minidi.ops import hc_expand_mix
+
+    cfg = hc_expand_mix.default_config(4096, 5120)
+    ptrs = {"x_ptr": "*bf16", "h_ptr": "*bf16", "post_ptr": "*fp32", "comb_ptr": "*fp32", "out_ptr": "*bf16",
+            "w_ptr": "*bf16", "pre_ptr": "*fp32", "g_ptr": "*fp32", "ss_ptr": "*fp32", "u_ptr": "*bf16"}
+    ints = ("T", "D", "M", "D_PER_SPLIT", "sx_t", "sx_j", "sh_t", "sp_t", "sc_t", "so_t", "so_j", "sw_piece", "sw_m",
+            "sg_split", "sg_t", "ss_split", "su_t", "spre_t")
+    sig = ptrs | {n: "i32" for n in ints}
+    div = tuple(ptrs) + ("D", "D_PER_SPLIT", "sx_t", "sx_j", "sh_t", "so_t", "so_j", "sw_piece", "sw_m", "sg_split",
+                         "ss_split", "su_t")
+    consts = dict(N=4, MP=32, COLLAPSE=True, X_BF16=True, ROUND_BF16=False, INTERPRET=False, BT=cfg["BT"],
+                  BD=cfg["BD"])
+    return resources(hc_expand_mix._hc_expand_mix_kernel, sig, consts, div, num_warps=cfg["num_warps"],
+                     num_stages=cfg["num_stages"])
+
+
 if __name__ == "__main__":
-    print(json.dumps({"hc_mix": hc_mix_default(), "moe_activation_fp8": moe_activation_fp8_default()}))
+    print(json.dumps({"hc_mix": hc_mix_default(), "moe_activation_fp8": moe_activation_fp8_default(),
+                      "hc_expand_mix": hc_expand_mix_default()}))

@@ -95,6 +95,7 @@ CASES = [  # (E, N, K, counts, extra_rows)
 
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("swap", [True, False])
+@pytest.mark.interpreter
 def test_fp32_matches_reference(case, swap):
     e, n, k, counts, extra = case
     x, wp, ws, offs = make(e, n, k, counts, torch.float32, extra_rows=extra)
@@ -108,6 +109,7 @@ def test_fp32_matches_reference(case, swap):
                                              pytest.param("scaled", False, 64, marks=NEEDS_DOT_SCALED),
                                              pytest.param("scaled", True, 128, marks=NEEDS_DOT_SCALED),
                                              ("manual", True, 32)])
+@pytest.mark.interpreter
 def test_bf16_matches_reference(decode, swap, bk):
     e, n, k, counts, extra = CASES[1]
     x, wp, ws, offs = make(e, n, k, counts, torch.bfloat16, extra_rows=extra)
@@ -129,6 +131,7 @@ def test_default_config_and_public_op():
 
 
 @pytest.mark.parametrize("decode", ["manual", "asm", pytest.param("scaled", marks=NEEDS_DOT_SCALED)])
+@pytest.mark.interpreter
 def test_edge_scale_codes(decode):
     """E8M0 0 -> 2^-127 (contributes ~1e-38: nothing), 255 -> NaN only in the columns of the rows that use it."""
     e, n, k, counts = 3, 40, 128, [6, 9, 4]
@@ -152,6 +155,7 @@ def test_edge_scale_codes(decode):
     assert out[6:15, 7].abs().max() < 1e-30
 
 
+@pytest.mark.interpreter
 def test_empty_and_uncovered_rows():
     x, wp, ws, offs = make(3, 40, 64, [0, 0, 0], torch.bfloat16, extra_rows=5)  # no routed rows at all
     assert_tail_untouched(run(x, wp, ws, offs, None), offs)  # nothing written
@@ -159,6 +163,7 @@ def test_empty_and_uncovered_rows():
     assert fp4_grouped_mm(x, wp, ws, offs).shape == (0, 40)
 
 
+@pytest.mark.interpreter
 def test_opcheck():
     x, wp, ws, offs = make(3, 40, 64, [4, 0, 9], torch.bfloat16)  # (rows past offs[-1] are garbage: none here)
     # scales as their uint8 view: opcheck's schema check compares tensors with ops e8m0 does not implement
@@ -175,6 +180,7 @@ def test_under_torch_compile(backend):
     assert_close(f(x, wp, ws, offs), 2.0 * reference(x, wp, ws, offs), torch.float32)
 
 
+@pytest.mark.interpreter
 def test_decode_matches_formats():
     """The kernel's arithmetic decode (``_decode_e2m1``, the twin of ``minidi.formats.dequant_fp4``) on every packed
     byte x every E8M0 code (0 -> 2^-127, 255 -> NaN), bit for bit in fp32."""

@@ -106,6 +106,7 @@ def test_kernel_decode_matches_decode_ref_on_all_codes():
 
 # ---- the device-side range flag (interpreter on the CPU) -----------------------------------------------------------
 @pytest.mark.parametrize("bad", [None, 0, 1, 253, 254])
+@pytest.mark.interpreter
 def test_code_range_flag(bad):
     ws = torch.full((3, 40, 9), 120, dtype=torch.uint8)
     ws[0, 0, 0], ws[2, 39, 8] = 2, 255  # in range: the extremes and NaN

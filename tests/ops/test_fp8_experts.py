@@ -128,6 +128,7 @@ def test_bad_block_is_named():
 # ---- moe_activation_fp8: q * s is moe_activation's fq8, bit for bit ----------------------------------------------
 @pytest.mark.parametrize("backend", ["triton", "ref"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.interpreter
 def test_activation_split_is_the_fq8_activation(dtype, backend):
     gen = torch.Generator().manual_seed(9)
     r, i = 11, 96  # three blocks of 32
@@ -148,6 +149,7 @@ def test_activation_split_is_the_fq8_activation(dtype, backend):
     assert torch.equal(s_log, s_log.round())  # powers of two
 
 
+@pytest.mark.interpreter
 def test_activation_split_leaves_other_rows_unwritten():
     from minidi.ops.moe_activation import launch
 
@@ -161,6 +163,7 @@ def test_activation_split_leaves_other_rows_unwritten():
     assert not (s[:6] == POISON).any()
 
 
+@pytest.mark.interpreter
 def test_opchecks():
     gen = torch.Generator().manual_seed(1)
     g, v = torch.randn(6, 64, generator=gen), torch.randn(6, 64, generator=gen)
@@ -173,6 +176,7 @@ def test_opchecks():
 
 
 # ---- the e4m3 row gather ------------------------------------------------------------------------------------------
+@pytest.mark.interpreter
 def test_e4m3_gather_copies_bytes_and_leaves_other_rows():
     gen = torch.Generator().manual_seed(3)
     x = (torch.randn(7, 96, generator=gen) * 50).to(torch.float8_e4m3fn)
@@ -189,6 +193,7 @@ def test_e4m3_gather_copies_bytes_and_leaves_other_rows():
 
 # ---- the device-side weight fold ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("case", ["folds", "wide_span", "nan_code", "span_11"])
+@pytest.mark.interpreter
 def test_fold_gate_matches_fold_and_gates_offs(case):
     gen = torch.Generator().manual_seed(4)
     c = torch.randint(110, 122, (3, 37, 12), generator=gen, dtype=torch.uint8)  # spans of at most 11 fold
@@ -211,6 +216,7 @@ def test_fold_gate_matches_fold_and_gates_offs(case):
         assert fold_offs.tolist() == [0, 0, 0] and exact_offs.tolist() == [4, 4, 9]
 
 
+@pytest.mark.interpreter
 def test_fold_cache_follows_the_tensor_and_its_version():
     """One fold per weight-scale tensor; an in-place change (version bump) folds again; another tensor with equal
     codes has its own entry; an inference tensor (no version counter) folds every call."""

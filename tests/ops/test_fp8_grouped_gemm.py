@@ -86,6 +86,7 @@ CASES = {  # experts, N, K, rows per expert (ragged, empty experts, one row), ro
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.interpreter
 def test_matches_fp64_and_leaves_other_rows(case, dtype):
     e, n, k, counts, extra = CASES[case]
     x, q, s, wp, ws, offs = make(e, n, k, counts, extra, seed=len(case))
@@ -95,6 +96,7 @@ def test_matches_fp64_and_leaves_other_rows(case, dtype):
     assert (out[end:] == POISON).all()  # rows past offs[-1]: other ranks' experts, never written
 
 
+@pytest.mark.interpreter
 def test_equals_the_bf16_op_on_fq8_rows():
     """The op it replaces: fp4_grouped_mm on the fq8 rows in bf16 computes the same products."""
     x, q, s, wp, ws, offs = make(3, 64, 128, [9, 20, 3], 0, seed=7)
@@ -103,6 +105,7 @@ def test_equals_the_bf16_op_on_fq8_rows():
     torch.testing.assert_close(y8, y16, rtol=1e-5, atol=1e-5 * float(y16.abs().max()))
 
 
+@pytest.mark.interpreter
 def test_every_code_and_edge_scale():
     """All 16 e2m1 codes in every weight row, E8M0 0 (2^-127), 127, 200 and 255 (NaN: the whole output column)."""
     e, n, k = 1, 32, 64
@@ -146,6 +149,7 @@ def test_bad_input_is_named():
         launch(q, s, wp, ws, offs, torch.empty(7, 32), Fp8GemmConfig(BK=128))
 
 
+@pytest.mark.interpreter
 def test_opcheck():
     """Fakes and AOT dispatch. opcheck's schema check is left out: it compares the inputs before and after the
     call with a multiply ATen's CPU fp8 lacks ("mul_cpu_reduced_float" not implemented for Float8_e4m3fn)."""

@@ -11,7 +11,8 @@ from minidi.model.quant import fq8
 from minidi.ops.fp8_quant import fq8_split
 
 gpu = pytest.mark.gpu
-DEVICES = ["cpu", pytest.param("cuda", marks=gpu)]
+interpreter = pytest.mark.interpreter  # the kernels on CPU tensors
+DEVICES = [pytest.param("cpu", marks=interpreter), pytest.param("cuda", marks=gpu)]
 
 
 def wide(shape, gen, dtype=torch.bfloat16) -> torch.Tensor:
@@ -57,6 +58,7 @@ def test_ties_round_to_even_and_saturate(device):
     assert q.float()[0, :7].cpu().tolist() == [448.0, 1.0, 1.25, 2.0**-7, 2.0**-8, -10.0, 0.0]
 
 
+@interpreter
 def test_an_fq8_output_splits_exactly():
     """fq8's output is already on the grid: its split multiplies back to it (the FP8 GEMMs' products are then the
     bf16 GEMMs' products)."""
@@ -75,6 +77,7 @@ def test_bad_input_is_named():
         fq8_split(torch.zeros(2, 32, dtype=torch.int32), 32)
 
 
+@interpreter
 def test_opcheck():
     x = torch.randn(4, 64).bfloat16()
     torch.library.opcheck(torch.ops.minidi.fq8_split, (x, 32))

@@ -15,7 +15,8 @@ from minidi.ops.fq8 import fq8, fq8_launch, fq8_ref
 from .test_fp8_linear import same_bits, weights, wide
 
 gpu = pytest.mark.gpu
-DEVICES = ["cpu", pytest.param("cuda", marks=gpu)]
+interpreter = pytest.mark.interpreter  # the kernels on CPU tensors
+DEVICES = [pytest.param("cpu", marks=interpreter), pytest.param("cuda", marks=gpu)]
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -110,6 +111,7 @@ def test_bad_input_is_named():
         fq8(torch.zeros((), dtype=torch.bfloat16), 32)
 
 
+@interpreter
 def test_opcheck():
     x = torch.randn(4, 64, generator=torch.Generator().manual_seed(1)).bfloat16()
     utils = ("test_schema", "test_faketensor", "test_aot_dispatch_static", "test_aot_dispatch_dynamic")

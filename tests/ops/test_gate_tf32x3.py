@@ -83,6 +83,7 @@ def test_empty():
     assert gate_tf32x3(x, w).shape == (0, 8)
 
 
+@pytest.mark.interpreter
 def test_opcheck():
     torch.manual_seed(2)
     x, w = make(5, 6, 40, torch.float32, torch.bfloat16)

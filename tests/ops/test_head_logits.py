@@ -11,7 +11,8 @@ from minidi.ops import head_logits as hl
 from minidi.ops.head_logits import head_logits, head_logits_ref
 
 gpu = pytest.mark.gpu
-DEVICES = ["cpu", pytest.param("cuda", marks=gpu)]
+interpreter = pytest.mark.interpreter  # the kernels on CPU tensors
+DEVICES = [pytest.param("cpu", marks=interpreter), pytest.param("cuda", marks=gpu)]
 
 
 def operands(rows: int, v: int, d: int, seed: int, y_dtype=torch.bfloat16, w_dtype=torch.bfloat16):
@@ -53,6 +54,7 @@ def test_fp32_rows_and_weight(device):
         check(out, y, w)
 
 
+@interpreter
 def test_past_max_rows_runs_the_reference(monkeypatch):
     y, w = operands(hl.MAX_ROWS + 1, 24, 64, 4)
     launched = []
@@ -67,6 +69,7 @@ def test_tiles_cover_every_row_count():
         assert r & (r - 1) == 0 and r <= 8 and (r >= rows or r == 8) and r * bv * bd <= 8192
 
 
+@interpreter
 def test_non_finite_values_propagate():
     y, w = operands(2, 40, 64, 5)
     w[3, 7] = float("inf")
@@ -75,6 +78,7 @@ def test_non_finite_values_propagate():
     assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.isinf(), want.isinf())
 
 
+@interpreter
 def test_empty():
     y, w = operands(0, 12, 64, 6)
     assert head_logits(y, w, backend="triton").shape == (0, 12)
@@ -92,6 +96,7 @@ def test_bad_input_is_named():
         head_logits(y[0], w)
 
 
+@interpreter
 def test_opcheck():
     y, w = operands(3, 24, 64, 8)
     utils = ("test_schema", "test_faketensor", "test_aot_dispatch_static", "test_aot_dispatch_dynamic")

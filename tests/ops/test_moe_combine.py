@@ -74,6 +74,7 @@ def test_routed_structure_ragged_d(ep):
 
 
 @pytest.mark.parametrize("k", [1, 2, 3, 4, 5, 6])
+@pytest.mark.interpreter
 def test_matches_reference_bitwise(k):
     torch.manual_seed(k)
     t, d = 13 + 2 * k, 72 + 37 * k  # ragged T and D (not multiples of the tile)
@@ -98,6 +99,7 @@ def test_other_row_dtypes_and_strided_rows(dtype):
 
 
 @pytest.mark.parametrize("poison", [float("nan"), float("inf"), -float("inf"), 1e30])
+@pytest.mark.interpreter
 def test_poisoned_nonlocal_rows_never_leak(poison):
     torch.manual_seed(2)
     t, k, d = 21, 6, 100
@@ -147,6 +149,7 @@ def test_empty():
     assert out.shape == (0, 64) and out.dtype == torch.float32
 
 
+@pytest.mark.interpreter
 def test_opcheck():
     torch.manual_seed(5)
     rows, order, local = make(5, 3, 40)

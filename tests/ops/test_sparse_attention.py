@@ -66,6 +66,7 @@ def _poisoned_launch(*args, **cfg):
 
 # ---- numerics (CPU interpreter) -----------------------------------------------------------------------------------
 @pytest.mark.parametrize("t,h,d,w,k", [(5, 3, 32, 4, 3), (7, 16, 40, 6, 11), (9, 5, 64, 8, 12), (6, 4, 48, 5, 20)])
+@pytest.mark.interpreter
 def test_fp32_matches_float64_reference(t, h, d, w, k):
     args = _case(t, h, d, w, k, seed=t * 100 + d)
     out = _poisoned_launch(*args, 0.3)
@@ -75,6 +76,7 @@ def test_fp32_matches_float64_reference(t, h, d, w, k):
 
 
 @pytest.mark.parametrize("t,h,d,w,k", [(5, 3, 32, 4, 3), (8, 16, 64, 8, 12), (7, 6, 36, 7, 9)])
+@pytest.mark.interpreter
 def test_bf16_matches_bf16_reference_semantics(t, h, d, w, k):
     args = _case(t, h, d, w, k, dtype=torch.bfloat16, seed=t + h)
     out = launch(*args, d**-0.5 * 2)
@@ -85,6 +87,7 @@ def test_bf16_matches_bf16_reference_semantics(t, h, d, w, k):
 
 @pytest.mark.parametrize("cfg", VARIANTS, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()) or "default")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.interpreter
 def test_kernel_variants(cfg, dtype):
     """The GPU variants the bench compares (D split over two programs, other blocks, persistent grid) agree."""
     args = _case(6, 5, 40, 5, 9, dtype=dtype, seed=3)
@@ -135,6 +138,7 @@ def _rounding_fixture(device="cpu"):
     return [a.to(device) for a in args]
 
 
+@pytest.mark.interpreter
 def test_bf16_probability_rounding_and_sink_outside_max():
     args = _rounding_fixture()
     ref = sparse_attention_ref(*args, 1.0).float()
@@ -149,6 +153,7 @@ def test_bf16_probability_rounding_and_sink_outside_max():
         torch.testing.assert_close(out, ref, **BF16_TOL)
 
 
+@pytest.mark.interpreter
 def test_empty_slots_are_never_read():
     """-1 and out-of-range slots contribute nothing and read nothing: NaN in row 0 and past the end cannot leak."""
     q, wkv, widx, ckv, cidx, sink = _case(7, 4, 32, 6, 8, seed=5)
@@ -167,6 +172,7 @@ def test_empty_slots_are_never_read():
     torch.testing.assert_close(launch(q, wkv_view, widx2, ckv, cidx, sink, 0.3), out, rtol=0, atol=0)
 
 
+@pytest.mark.interpreter
 def test_window_only_int32_indices_and_query_without_keys():
     q, wkv, widx, _, _, sink = _case(6, 3, 40, 5, 4, seed=7, comp=False, idx_dtype=torch.int32)
     widx[4] = -1  # a query with no valid key at all: the kernel gives 0 (the naive path: NaN)
@@ -200,6 +206,7 @@ def test_empty_batch():
     assert out.shape == (0, 3, 32)
 
 
+@pytest.mark.interpreter
 def test_public_wrapper_and_opcheck():
     args = _case(5, 3, 32, 4, 3, dtype=torch.bfloat16, seed=11)
     out = sparse_attention(*args, 0.3)
@@ -255,6 +262,7 @@ def test_rope_ref_is_the_model_apply_rope(dtype, inverse):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("cfg", VARIANTS, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()) or "default")
 @pytest.mark.parametrize("t,h,d,w,k,r2", [(5, 4, 64, 8, 6, 8), (4, 3, 48, 5, 7, 4)])
+@pytest.mark.interpreter
 def test_rotations_in_load_and_store_equal_the_model_chain(t, h, d, w, k, r2, cfg, dtype, mode):
     """The fused rotations are the model's: bit-equal to rope_ref (= apply_rope) of q before and of the output
     after the unfused kernel, with each rounding where the model rounds (q's dtype after the rotation; the output
@@ -272,6 +280,7 @@ def test_rotations_in_load_and_store_equal_the_model_chain(t, h, d, w, k, r2, cf
         torch.testing.assert_close(out.float(), ref.float(), **BF16_TOL)
 
 
+@pytest.mark.interpreter
 def test_rope_arguments_are_checked_and_opcheck():
     args = _case(5, 3, 32, 4, 3, seed=13)
     cos, sin = _angles(5, 4)

@@ -79,6 +79,7 @@ def _same(a, b) -> bool:
     return a.dtype == b.dtype and torch.equal(a.view(torch.int16), b.view(torch.int16))
 
 
+@pytest.mark.interpreter
 def test_fp8_linear_keeps_the_dequantised_weight(monkeypatch):
     """Cache on (1 GiB on the CPU): one dequant per weight, the op bit for bit the model's code before and after the
     weight and its scale are overwritten in place (as a checkpoint load does)."""
@@ -99,6 +100,7 @@ def test_fp8_linear_keeps_the_dequantised_weight(monkeypatch):
 
 
 @pytest.mark.parametrize("setting", [None, "0", "0.000001"])
+@pytest.mark.interpreter
 def test_fp8_linear_without_the_cache(monkeypatch, setting):
     """Off (the CPU's default, 0) or a budget below the weight: a dequant every call, the same bits."""
     if setting is None:
@@ -114,6 +116,7 @@ def test_fp8_linear_without_the_cache(monkeypatch, setting):
     assert launches.calls == 2 and fl.weight_cache_bytes() == before
 
 
+@pytest.mark.interpreter
 def test_non_contiguous_weights_are_not_kept(monkeypatch):
     monkeypatch.setenv(fl.WEIGHT_CACHE_ENV, "1")
     x, w, s = _linear(24, 64, 3)
