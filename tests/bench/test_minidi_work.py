@@ -113,6 +113,7 @@ NOT_DECLARED = {"_sparse_attention_kernel"}  # FLOPs from the model (model_work.
 
 
 @pytest.mark.parametrize("op", list(WHOLE))
+@pytest.mark.interpreter
 def test_declared_bytes_are_the_tensors_each_kernel_is_handed(op, launches, tmp_path):
     declared = _declared(_record(WHOLE[op], tmp_path, op)[0])
     handed = {k: v for k, v in _handed(launches).items() if k not in NOT_DECLARED}
@@ -121,6 +122,7 @@ def test_declared_bytes_are_the_tensors_each_kernel_is_handed(op, launches, tmp_
     assert all(w.basis is None for w in declared.values())
 
 
+@pytest.mark.interpreter
 def test_gate_with_a_wide_output_writes_one_plane(launches, tmp_path):
     op = "minidi::gate_tf32x3"
     event, _ = _record(lambda: gate_tf32x3.gate_tf32x3(_bf16(9, 64), _bf16(80, 64, seed=1), backend="triton"),
@@ -129,12 +131,14 @@ def test_gate_with_a_wide_output_writes_one_plane(launches, tmp_path):
     assert _declared(event)["_gate_kernel"].nbytes == handed == (9 + 80) * 64 * 2 + 9 * 80 * 4  # x, w, one plane
 
 
+@pytest.mark.interpreter
 def test_head_logits_past_its_rows_runs_no_kernel(launches, tmp_path):
     event, _ = _record(lambda: head_logits.head_logits(_bf16(2, 64), _bf16(50, 64, seed=1), backend="triton"),
                        tmp_path, "minidi::head_logits")
     assert _declared(event) == {} and not launches
 
 
+@pytest.mark.interpreter
 def test_hc_mix_on_a_narrow_width_writes_the_splits_it_runs(launches, tmp_path):
     """D 64 in splits of 32 columns: 2 of the 4 planes of g / ss are the kernel's, the other 2 zeroed by torch."""
     t, m = 5, 24
@@ -149,6 +153,7 @@ def _flops(op: str, kernel: str, tmp_path) -> float | None:
     return _declared(_record(WHOLE[op], tmp_path, op)[0])[kernel].flops
 
 
+@pytest.mark.interpreter
 def test_flops_of_the_matmul_like_kernels(tmp_path):
     assert _flops("minidi::gate_tf32x3", "_gate_kernel", tmp_path) == 2 * 9 * 24 * 512  # 2 T E D
     assert _flops("minidi::head_logits", "_head_logits_kernel", tmp_path) == 2 * 1 * 50 * 64  # 2 L V D
@@ -167,6 +172,7 @@ def _offs(ep: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("ep", EP_SIZES)
 @pytest.mark.parametrize("fq8_block", [0, 32])
+@pytest.mark.interpreter
 def test_gather_moves_the_local_rows_it_selects(ep, fq8_block, tmp_path):
     x, idx, offs = _bf16(6, 64), torch.randint(0, 6, (R,), generator=_gen()), _offs(ep)
     op = "minidi::gather_rows_fq8" if fq8_block else "minidi::gather_rows"
@@ -183,6 +189,7 @@ def test_gather_moves_the_local_rows_it_selects(ep, fq8_block, tmp_path):
 
 @pytest.mark.parametrize("ep", EP_SIZES)
 @pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.interpreter
 def test_moe_activation_moves_the_local_rows(ep, fp8, tmp_path):
     g, v, ws, offs = _bf16(R, 64), _bf16(R, 64, seed=1), torch.rand(R, 1), _offs(ep)
     if fp8:
@@ -197,6 +204,7 @@ def test_moe_activation_moves_the_local_rows(ep, fp8, tmp_path):
 
 
 @pytest.mark.parametrize("ep", EP_SIZES)
+@pytest.mark.interpreter
 def test_moe_combine_reads_the_local_rows(ep, launches, tmp_path):
     k, n = 4, R // ep
     rows, order = _bf16(R, 32), torch.randperm(R, generator=_gen())
@@ -259,6 +267,7 @@ def _x(cat, name, thread, ts, dur, **args):
             "args": args}
 
 
+@pytest.mark.interpreter
 def test_a_recorded_call_gives_its_kernels_rows_bytes_and_rates(tmp_path):
     """The real record of one moe_combine call (CPU profile, interpreter), placed in a step of a trace with two CUDA
     launches under it: each kernel's row gets its declared bytes, GB/s and % of the copy peak."""
