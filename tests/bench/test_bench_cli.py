@@ -68,6 +68,7 @@ def test_head_logits_smoke():
     assert len(res["table"]) == 6 and all(r["rel_err"] < 1e-5 for r in res["table"])
 
 
+@pytest.mark.interpreter
 def test_fp8_grouped_gemm_smoke():
     """The FP8 expert GEMM bench end to end on tiny shapes (interpreter): every case's output checked against the
     bf16 op it would replace."""

@@ -127,6 +127,7 @@ def test_indexer_takes_the_lowest_columns_among_ties_and_orders_like_the_kernel(
             assert idx[row].tolist() == want + [-1] * (topk - len(want)), f"seed {seed}, row {row}"
 
 
+@pytest.mark.interpreter
 def test_indexer_kernel_equals_naive_on_exact_ties():
     """The Triton score + top-k (interpreter on the CPU) and the naive chain pick and order the same columns."""
     from minidi.ops.indexer_score import indexer_topk

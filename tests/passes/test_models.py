@@ -121,6 +121,7 @@ def test_indexer_calls_are_not_fp8_without_fake_quant(compiled):
     assert len(mma) == len(expected_sites(compiled.cfg)["B"]) and "fp8" not in mma, mma
 
 
+@pytest.mark.interpreter
 def test_inserted_ops_carry_fake_values(compiled):
     """Every op a pass inserted records its output's fake value, so later passes (H reads D's GEMM dtype) see it."""
     _, after = compiled.manager.graphs[-1]

@@ -110,6 +110,7 @@ def test_head_compiled_as_its_own_graph(regional):
     assert regional.model.head._compiled_call_impl is not None
 
 
+@pytest.mark.interpreter
 def test_second_token_count_reuses_the_graphs(regional):
     assert regional.histories[1] == regional.histories[0]
     assert regional.outs[1].shape[0] == SECOND
