@@ -26,5 +26,6 @@ def test_hot_kernels_do_not_spill_on_sm90():
     for name, r in got.items():
         assert r["stack"] == 0, f"{name} spills: {r}"
         # pass U's kernel holds n stream tiles, their squares, the mixed sum and the projection at once: at its 8 warps
-        # ptxas uses every register without spilling (4 warps spill 280 bytes); the others keep headroom
-        assert 0 < r["regs"] <= (255 if name == "hc_expand_mix" else 254), f"{name}: {r}"
+        # ptxas may use every register (255 with Triton 3.6) without spilling (4 warps spill); the others keep headroom
+        limit = 256 if name == "hc_expand_mix" else 255
+        assert 0 < r["regs"] < limit, f"{name}: {r}"
