@@ -293,6 +293,7 @@ def test_ptx_decode_table():
             assert torch.equal(got.view(torch.bfloat16), ref), (b, code)
 
 
+@pytest.mark.interpreter  # the chain is asked for a CUDA device, the launches run on CPU tensors
 def test_fallback_chain_is_fast_and_failures_are_remembered(monkeypatch):
     """GPU bf16: default "asm", then only known-good "scaled" configs (never "manual"); a failing config warns once,
     is never retried (a retry costs a failed compile per call), and the next config's result is returned."""

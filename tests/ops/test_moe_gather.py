@@ -61,18 +61,26 @@ def test_nan_and_inf_rows_copied_bit_exact():
     assert torch.equal(out.view(torch.int32), x[idx].view(torch.int32))
 
 
-def test_out_of_range_index():
-    x, idx, offs = make(6, 64, [4, 4], 8, torch.float32)
+@pytest.mark.interpreter
+def test_out_of_range_index_raises_on_cpu_tensors():
+    """The op's host check: on CPU tensors only (on CUDA it would cost a sync; the kernel gives a NaN row)."""
+    x, idx, offs = make(6, 64, [4, 4], 8, torch.float32, device="cpu")
     idx[3] = 6
     with pytest.raises(IndexError, match="idx holds 6, outside x's 6 rows"):
         gather_rows(x, idx, offs)
     idx[3] = -1
     with pytest.raises(IndexError, match="idx holds -1"):
         gather_rows(x, idx, offs)
+
+
+@pytest.mark.parametrize("bad", [6, -1])
+def test_out_of_range_index_gives_a_nan_row(bad):
+    x, idx, offs = make(6, 64, [4, 4], 8, torch.float32)
+    idx[3] = bad
     out = run(x, idx, offs)  # the kernel itself (no check): a NaN row, the others exact
     assert out[3].isnan().all()
-    keep = torch.arange(8) != 3
-    assert torch.equal(out[keep], x[idx.clamp(min=0)][keep])
+    keep = torch.arange(8, device=x.device) != 3
+    assert torch.equal(out[keep], x[idx.clamp(0, 5)][keep])
 
 
 def test_ref_backend_public_op_and_compile():
@@ -161,8 +169,14 @@ def test_fq8_gather_poisoned_blocks_and_bad_index():
     assert out[0, :32].isnan().all() and torch.equal(out[0, 32:], fq8(x[2:3, 32:], 32)[0])
     assert out[1, 32:].isnan().all() and torch.equal(out[1, :32], fq8(x[3:4, :32], 32)[0])
     assert torch.equal(out[2], fq8(x[4:5], 32)[0])
-    idx[5] = 6  # out of range: the kernel gives a NaN row; the op raises on CPU tensors
+    idx[5] = 6  # out of range: the kernel gives a NaN row (the op raises on CPU tensors: the test below)
     assert run_fq8(x, idx, offs, 32)[5].isnan().all()
+
+
+@pytest.mark.interpreter
+def test_fq8_gather_out_of_range_index_raises_on_cpu_tensors():
+    x, idx, offs = make(6, 64, [8], 8, torch.float32, device="cpu")
+    idx[5] = 6
     with pytest.raises(IndexError, match="gather_rows_fq8: idx holds 6"):
         gather_rows_fq8(x, idx, offs, 32)
 
