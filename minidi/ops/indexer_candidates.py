@@ -96,10 +96,14 @@ def _candidate_score_kernel(
 
 
 def default_candidate_config() -> dict:
-    """Tile config (small tiles in the interpreter). ``tiles_per_prog``: BN-entry tiles one program scores."""
+    """Tile config (small tiles in the interpreter). ``tiles_per_prog``: BN-entry tiles one program scores.
+    ``fp8_min_heads`` / ``fp8_min_dim``: the FP8 dot's N (padded heads) and K (padded dim) are at least these. On the
+    GPU they are V4.1's index shape (32 heads of 128): a small model's 8 heads of 64 (a [128, 64] x [64, 16] e4m3 dot)
+    faulted with an illegal address on the H100 with Triton 3.6 (round 31), where 32 x 128 is tested. The padding is
+    exact (zero q columns, zero weights)."""
     if interpreting():
-        return dict(BN=16, num_warps=4, num_stages=1, tiles_per_prog=2)
-    return dict(BN=128, num_warps=4, num_stages=3, tiles_per_prog=32)
+        return dict(BN=16, num_warps=4, num_stages=1, tiles_per_prog=2, fp8_min_heads=16, fp8_min_dim=32)
+    return dict(BN=128, num_warps=4, num_stages=3, tiles_per_prog=32, fp8_min_heads=32, fp8_min_dim=128)
 
 
 def _launch_candidate_scores(q, k, w, k_start, k_end, blocks, block, fp8, out=None, info=None, **cfg):
@@ -109,7 +113,9 @@ def _launch_candidate_scores(q, k, w, k_start, k_end, blocks, block, fp8, out=No
     c = kb * block
     conf = {**default_candidate_config(), **cfg}
     bn, tpp = conf["BN"], conf["tiles_per_prog"]
-    hp = _pow2(h, 16)
+    hp, dp = _pow2(h, 16), _pow2(d, 32)
+    if fp8:
+        hp, dp = max(hp, _pow2(conf["fp8_min_heads"])), max(dp, _pow2(conf["fp8_min_dim"]))
     if bn < 16 or bn % block:
         raise ValueError(f"BN must be >= 16 and a multiple of the block size {block}, got {bn}")
     if out is None:
@@ -130,7 +136,7 @@ def _launch_candidate_scores(q, k, w, k_start, k_end, blocks, block, fp8, out=No
     kern = _candidate_score_kernel[grid](
         q, k, q8, sq, k8, sk, qok, kok, w, k_start.contiguous(), k_end.contiguous(), blocks, out,
         t, n, h, c, kb, tpp, q.stride(0), q.stride(1), k.stride(0), w.stride(0), blocks.stride(0), out.stride(0),
-        B=block, D=d, DP=_pow2(d, 32), HP=hp, BN=bn, FP8=fp8, IEEE=q.dtype == torch.float32,
+        B=block, D=d, DP=dp, HP=hp, BN=bn, FP8=fp8, IEEE=q.dtype == torch.float32,
         INTERPRET=interpreting(), num_warps=conf["num_warps"], num_stages=conf["num_stages"],
     )
     _record(info, kern, grid[0] * grid[1])
