@@ -172,7 +172,7 @@ def _fq8_split(c: Call) -> dict[str, Work]:
 def _fp8_linear(c: Call) -> dict[str, Work]:
     """x [..., K], weight [N, K] e4m3, scale E8M0 tiles, weight_block, act_block: the fq8 of x (act_block > 0) and
     the weight's dequant to x's dtype (launched only where the weight is not kept: ``fp8_linear.dequant_weight``);
-    the GEMM is an ATen op's. On the opt-in FP8 route (``MINIDI_FP8_GEMM``) the input's split instead (act_block
+    the GEMM is an ATen op's. On the FP8 route (``MINIDI_FP8_GEMM``, 128-blocks by default) the input's split (act_block
     +-b: e4m3 + one fp32 scale per b) and the Gluon GEMM (no bytes declared: compute-bound)."""
     x, w = c.t(0), c.t(1)
     act_block = c.int(4)

@@ -27,15 +27,17 @@ kernel per linear per step that moves 3 bytes a weight (round 20: 7.6 ms a step 
 layers = 2.5 GiB more at V4.1-Flash (computed; not yet measured). Weights past the budget are dequantised every call,
 as before; a long-context run short of memory sets a lower budget.
 
-FP8 tensor cores (``MINIDI_FP8_GEMM``, read every call; issue 21): "off" (the default) keeps the bf16 GEMM above.
-"128" runs linears whose weight tiles and input blocks are both 128 (V4-Flash) on the block-scaled FP8 GEMM
-(``fp8_gemm_sm90``: ``fq8_split`` of the input, e4m3 x e4m3 products with each 128-block promoted in fp32: the
-model's products, summed in another order), where that kernel can run (sm_90, Triton 3.6); "all" also takes 32-blocks
-(V4.1), slower than bf16 in round 27. The FP8 route keeps no bf16 weight copy (the weights' E8M0 scales, transposed
-for the kernel, are kept per weight). It is not the default until the numerics harness has judged it at full size on
-a GPU. Linears whose input pass R already quantised (act_block -b) take the route too: ``fq8_split`` of an fq8
-output is exact (q * s equals it), so their products are the bf16 GEMM's. An input of act_block 0 (no fake quant)
-is not fq8 values: the bf16 GEMM.
+FP8 tensor cores (``MINIDI_FP8_GEMM``, read every call; issue 21): "128" (the default) runs linears whose weight
+tiles and input blocks are both 128 (V4-Flash) on the block-scaled FP8 GEMM (``fp8_gemm_sm90``: ``fq8_split`` of the
+input, e4m3 x e4m3 products with each 128-block promoted in fp32: the model's products, summed in another order),
+where that kernel can run (sm_90, Triton 3.6); other linears (V4.1's 32-blocks) keep the bf16 GEMM above. "all" also
+takes 32-blocks, slower than bf16 in round 27; "off" keeps the bf16 GEMM everywhere. The FP8 route keeps no bf16
+weight copy (the weights' E8M0 scales, transposed for the kernel, are kept per weight). Judged at full size on one
+H100 (round 30, V4-Flash EP4, ``docs/benchmarks``): per layer compiled-vs-eager error 0.99x (median) / 1.07x (max)
+the bf16 GEMM's, the step 372.4 ms against 377.6 with "off", 2.69 GiB of bf16 weight copies kept against 10.91.
+Linears whose input pass R already quantised (act_block -b) take the route too: ``fq8_split`` of an fq8 output is
+exact (q * s equals it), so their products are the bf16 GEMM's. An input of act_block 0 (no fake quant) is not fq8
+values: the bf16 GEMM.
 
 ``fp8_grouped_linear``: attention's grouped output projection ``wo_a`` (``einsum("tgi,goi->tgo", x, dequant_fp8(...)
 .view(G, N / G, I))``, no fq8 of x) on the same kept weight, as one batched GEMM writing [T, G, N / G] directly.
@@ -68,6 +70,7 @@ SCALE_DTYPES = (torch.uint8, torch.float8_e8m0fnu)
 WEIGHT_CACHE_ENV = "MINIDI_FP8_WEIGHT_CACHE_GB"
 FP8_GEMM_ENV = "MINIDI_FP8_GEMM"
 FP8_GEMM_MODES = {"off": (), "128": (128,), "all": (32, 128)}  # mode -> the blocks it runs on FP8 tensor cores
+FP8_GEMM_DEFAULT = "128"
 WEIGHT_CACHE_DEFAULT_GB = {"cuda": 32.0}  # by device type; other devices: 0 (off)
 _WEIGHT_CACHE = "fp8_linear dequantised weights"
 
@@ -147,7 +150,7 @@ def dequant_weight(weight: torch.Tensor, scale: torch.Tensor, block: int, dtype:
 
 def fp8_gemm_blocks() -> tuple[int, ...]:
     """The blocks ``MINIDI_FP8_GEMM`` sends to the FP8 tensor-core GEMM (see the module doc)."""
-    mode = os.environ.get(FP8_GEMM_ENV, "off")
+    mode = os.environ.get(FP8_GEMM_ENV, FP8_GEMM_DEFAULT)
     if mode not in FP8_GEMM_MODES:
         raise ValueError(f"{FP8_GEMM_ENV} must be one of {sorted(FP8_GEMM_MODES)}, got {mode!r}")
     return FP8_GEMM_MODES[mode]

@@ -91,7 +91,7 @@ class PassMatchError(RuntimeError):
 
 def select(passes: str | Iterable[str] | None) -> list[str]:
     """"all" | "none" | "A,B" | "all,X" | ["A", "moe_combine"] -> pass keys in manager order. "all" is every pass
-    but opt-in ones (``Rewrite.in_all = False``: U, until it is timed on a GPU), which are named on their own."""
+    but opt-in ones (``Rewrite.in_all = False``: U, slower than G + J on the H100), which are named on their own."""
     if passes is None:
         return []
     if isinstance(passes, str):

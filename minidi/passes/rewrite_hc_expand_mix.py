@@ -16,9 +16,11 @@ layer's other site (the MoE's update, read by the next layer's attention mixer) 
 per-layer compile (the default) never sees in one graph; a whole-model graph leaves it too, so the sites are the
 same in both: one a layer.
 
-Opt-in (``passes="all,U"``; not part of "all"): the op is bit for bit G's and J's on the interpreter and compiles for
-sm_90 without spilling (8 warps, 255 registers), but no GPU has timed it yet (round 29 got no device call for it):
-``bench/bench_hc_expand_mix.py`` and the step with ``--passes all,U`` beside ``--passes all`` decide the default.
+Opt-in (``passes="all,U"``; not part of "all"): the op is bit for bit G's and J's and compiles for sm_90 without
+spilling (8 warps, 255 registers), but it is slower than the two kernels it replaces (one H100, round 30,
+``docs/benchmarks``): 0.4234 ms against 0.2598 in ``bench/bench_hc_expand_mix.py``, and in the V4.1 EP4 step its
+kernel takes 18.17 ms where G's and J's took ~10.1 ms for the same sites (the step 363.1 against 356.9 ms). It writes
+fewer bytes, but one program holds the expand's and the mix's work and runs at 31 % of copy bandwidth.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ class HCExpandMix(Rewrite):
     key = "U"
     name = "hc_expand_mix"
     requires = ("G", "J")
-    in_all = False  # opt-in (passes="all,U") until a GPU has timed its op against G's and J's in the step
+    in_all = False  # opt-in (passes="all,U"): slower than G's and J's kernels in the step (H100, round 30)
 
     def match(self, node: Node) -> Match | None:
         if not _call(node, hc_expand, 4) or dtype(node) not in X_DTYPES:

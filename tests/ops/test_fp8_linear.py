@@ -20,9 +20,9 @@ DEVICES = [pytest.param("cpu", marks=interpreter), pytest.param("cuda", marks=gp
 
 @pytest.fixture(autouse=True)
 def bf16_gemm(monkeypatch):
-    """These tests hold the default bf16 GEMM to the model's bits: whatever the environment says
-    (``MINIDI_FP8_GEMM``; the FP8 route's tests: ``test_fp8_linear_route.py``)."""
-    monkeypatch.delenv("MINIDI_FP8_GEMM", raising=False)
+    """These tests hold the bf16 GEMM to the model's bits: ``MINIDI_FP8_GEMM=off`` (the default "128" sends V4-Flash's
+    128-blocks to the FP8 GEMM on sm_90; the FP8 route's tests: ``test_fp8_linear_route.py``)."""
+    monkeypatch.setenv("MINIDI_FP8_GEMM", "off")
 
 
 def wide(shape, gen, dtype=torch.bfloat16) -> torch.Tensor:

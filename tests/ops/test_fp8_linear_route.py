@@ -27,7 +27,7 @@ def exact_and_bound(x, w, s, block, rel_acc: float):
     return exact, 2.0**-8 * exact.abs() + rel_acc * (xq.abs() @ wd.abs().t())
 
 
-@pytest.mark.parametrize("mode,blocks", [(None, ()), ("off", ()), ("128", (128,)), ("all", (32, 128))])
+@pytest.mark.parametrize("mode,blocks", [(None, (128,)), ("off", ()), ("128", (128,)), ("all", (32, 128))])
 def test_modes(monkeypatch, mode, blocks):
     if mode is None:
         monkeypatch.delenv(fl.FP8_GEMM_ENV, raising=False)
