@@ -127,6 +127,23 @@ COMPILE_CASES = {"b32": (32, C(EPI_TMA=False)), "b128": (128, C(EPI_TMA=False)),
                  "b128_prefetch": (128, C(EPI_TMA=False, PREFETCH=True))}
 
 
+@pytest.mark.skipif(not g.HAVE_GLUON, reason="no Gluon in this Triton")
+def test_descriptor_layouts_are_the_defaults_built_once():
+    """The host side of a call: the TMA boxes' shared layouts are Gluon's defaults for each box, and the same objects
+    on every call (kept: building them was most of ``descriptors``' host time)."""
+    gl = g.gl
+    q, w = torch.empty(256, 512, dtype=torch.float8_e4m3fn), torch.empty(384, 512, dtype=torch.float8_e4m3fn)
+    sx, sw, out = torch.empty(256, 16), torch.empty(16, 12), torch.empty(256, 384, dtype=torch.bfloat16)
+    first = g.descriptors(q, sx, w, sw, 32, g.DEFAULT, out)
+    again = g.descriptors(q, sx, w, sw, 32, g.DEFAULT, out)
+    want = [([g.BM, g.BKC], gl.float8e4nv), ([g.DEFAULT.BN, g.BKC], gl.float8e4nv), None, None,
+            ([g.BM, g.DEFAULT.BN], gl.bfloat16)]
+    for d, d2, box in zip(first, again, want):
+        if box is not None:
+            assert d.layout == gl.NVMMASharedLayout.get_default_for(*box) and d.layout is d2.layout
+            assert list(d.block_shape) == box[0]
+
+
 @pytest.mark.skipif(not g.gluon_supported(), reason="Gluon API of a tested Triton version (3.6) not installed")
 @pytest.mark.parametrize("case", list(COMPILE_CASES))
 def test_kernel_compiles_for_sm90a_with_pipelined_wgmma(case):
