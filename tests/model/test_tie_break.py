@@ -206,6 +206,8 @@ ROW_PROBES = [  # (equation, a shape, b shape, dtype): the model's products whos
     ("td,nd->tn", (160, 256), (8, 256), torch.float32),  # the router's gate
     ("td,nd->tn", (160, 1024), (24, 1024), torch.float32),  # the mHC projection
     ("td,nd->tn", (160, 256), (512, 256), torch.bfloat16),  # a bf16 linear
+    ("td,nd->tn", (160, 256), (256, 256), torch.float32),  # the compressor's wkv / wgate
+    ("td,dn->tn", (160, 128), (128, 128), torch.float32),  # the Hadamard rotation before the indexer's fq4
 ]
 
 
