@@ -22,9 +22,9 @@ that is the gap its row's % of the copy peak shows. Two rules beyond that, by th
 - ``hc_mix_partials`` reads its fp32 projection weight fn [M, n D] as the three bf16 pieces it keeps per weight
   ([3, M, n D]: ``hc_mix.fn_pieces``), and writes the partial sums of the D splits its kernel runs.
 
-FLOPs, for the matmul-like kernels (``gate_tf32x3``, ``head_logits``, ``hc_mix_partials``' projection): 2 M N K of
-the product the op computes (the tf32 / bf16 splits that make it fp32-exact do more MMAs), against the bf16 peak as
-every FLOP count of the table.
+FLOPs, for the matmul-like kernels (``gate_tf32x3``, ``head_logits``, ``hc_mix_partials``' projection, the FP8 GEMM
+of ``fp8_linear``'s route): 2 M N K of the product the op computes (the tf32 / bf16 splits that make it fp32-exact do
+more MMAs), against the bf16 peak as every FLOP count of the table.
 
 Unknown on purpose: ``topk_indices`` (its chunk maxima read each row's visible range [k_start, k_end), its selection
 the chunks that pass the bound: device data); the rebases (``_rebase_kernel``) inside the FP8 indexer ops (in
@@ -173,15 +173,20 @@ def _fp8_linear(c: Call) -> dict[str, Work]:
     """x [..., K], weight [N, K] e4m3, scale E8M0 tiles, weight_block, act_block: the fq8 of x (act_block > 0) and
     the weight's dequant to x's dtype (launched only where the weight is not kept: ``fp8_linear.dequant_weight``);
     the GEMM is an ATen op's. On the FP8 route (``MINIDI_FP8_GEMM``, 128-blocks by default) the input's split (act_block
-    +-b: e4m3 + one fp32 scale per b) and the Gluon GEMM (no bytes declared: compute-bound)."""
+    +-b: e4m3 + one fp32 scale per b) and the Gluon GEMM: 2 M N K FLOPs; bytes, its operands once each (the split's
+    e4m3 rows and scales, the e4m3 weight, its transposed fp32 scales padded to 4 columns, the output)."""
     x, w = c.t(0), c.t(1)
     act_block = c.int(4)
     out = {"_dequant_kernel": Work(_size(w) + _size(c.t(2)) + math.prod(w.dims) * x.dtype.itemsize)}
     if act_block > 0:
         out["_fq8_kernel"] = Work(2 * _size(x))
     if act_block:
-        n = math.prod(x.dims)
-        out["_fq8_split_kernel"] = Work(_size(x) + n + n // abs(act_block) * 4)
+        b = abs(act_block)
+        (n, k), m = w.dims, math.prod(x.dims[:-1])
+        out["_fq8_split_kernel"] = Work(_size(x) + m * k + m * k // b * 4)
+        scales_t = k // b * -(-triton.cdiv(n, b) // 4) * 4 * 4
+        out["_fp8_gemm_sm90_gluon"] = Work(m * k + m * k // b * 4 + n * k + scales_t + m * n * x.dtype.itemsize,
+                                           flops=2 * m * n * k)
     return out
 
 

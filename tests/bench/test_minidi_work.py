@@ -159,6 +159,22 @@ def test_flops_of_the_matmul_like_kernels(tmp_path):
     assert _flops("minidi::head_logits", "_head_logits_kernel", tmp_path) == 2 * 1 * 50 * 64  # 2 L V D
     assert _flops("minidi::hc_mix_partials", "_hc_mix_kernel", tmp_path) == 2 * 5 * 24 * 4 * 128  # 2 T M n D
     assert _flops("minidi::fq8", "_fq8_kernel", tmp_path) is None
+    # the FP8 route's GEMM (declared from the call's arguments; it runs on sm_90 only): 2 M N K
+    assert _flops("minidi::fp8_linear", "_fp8_gemm_sm90_gluon", tmp_path) == 2 * 5 * 48 * 96
+
+
+@pytest.mark.interpreter
+def test_fp8_route_gemm_bytes_are_its_operands(tmp_path):
+    """The Gluon GEMM's declared bytes equal the tensors ``fp8_gemm_linear`` hands it, built here on the CPU as the
+    route builds them (the split of x, the weight, ``weight_scale_t``, the output)."""
+    from minidi.ops import fp8_gemm_sm90
+
+    x, w, s, block, act_block = _fp8_linear_args()
+    event, _ = _record(lambda: fp8_linear.fp8_linear(x, w, s, block, act_block, backend="triton"), tmp_path,
+                       "minidi::fp8_linear")
+    q, sx = fp8_quant.fq8_split(x, block, backend="triton")
+    handed = [q, sx, w, fp8_gemm_sm90.weight_scale_t(s), torch.empty(5, 48, dtype=x.dtype)]
+    assert _declared(event)["_fp8_gemm_sm90_gluon"].nbytes == sum(t.numel() * t.element_size() for t in handed)
 
 
 # ---- the local-row MoE kernels: the rows below offs[-1], counted from the real tensors ------------------------------
