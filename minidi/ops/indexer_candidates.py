@@ -99,7 +99,7 @@ def default_candidate_config() -> dict:
     """Tile config (small tiles in the interpreter). ``tiles_per_prog``: BN-entry tiles one program scores.
     ``fp8_min_heads`` / ``fp8_min_dim``: the FP8 dot's N (padded heads) and K (padded dim) are at least these. On the
     GPU they are V4.1's index shape (32 heads of 128): a small model's 8 heads of 64 (a [128, 64] x [64, 16] e4m3 dot)
-    faulted with an illegal address on the H100 with Triton 3.6 (round 31), where 32 x 128 is tested. The padding is
+    faulted with an illegal address on the H100 with Triton 3.6 (round 30), where 32 x 128 is tested. The padding is
     exact (zero q columns, zero weights)."""
     if interpreting():
         return dict(BN=16, num_warps=4, num_stages=1, tiles_per_prog=2, fp8_min_heads=16, fp8_min_dim=32)

@@ -184,7 +184,7 @@ def test_opcheck():
 @pytest.mark.parametrize("inexact", [False, True])
 def test_gpu_small_head_count_vs_float64(inexact):
     """A tiny model's index shape (8 heads of 64) on the GPU's tile config: its FP8 dot unpadded ([128, 64] x [64, 16]
-    e4m3) faulted with an illegal address (H100, Triton 3.6, round 31); the launcher pads it to 32 heads of 128."""
+    e4m3) faulted with an illegal address (H100, Triton 3.6, round 30); the launcher pads it to 32 heads of 128."""
     gen = torch.Generator().manual_seed(7)
     t, h, d, n, block, kb = 7, 8, 64, 75, 4, 5
     q, k, w, ks, ke, blocks = case(t, h, d, n, block, kb, torch.bfloat16, True, gen, inexact)
