@@ -52,7 +52,7 @@ from typing import Callable, NamedTuple
 
 import triton
 
-from minidi.ops import candidate_blocks, expert_order, gate_tf32x3, hc_mix, head_logits
+from minidi.ops import candidate_blocks, expert_order, fp8_gemm_sm90, gate_tf32x3, hc_mix, head_logits
 
 if __package__:
     from .op_work import TensorArg, tensor_args
@@ -184,7 +184,7 @@ def _fp8_linear(c: Call) -> dict[str, Work]:
         b = abs(act_block)
         (n, k), m = w.dims, math.prod(x.dims[:-1])
         out["_fq8_split_kernel"] = Work(_size(x) + m * k + m * k // b * 4)
-        scales_t = k // b * -(-triton.cdiv(n, b) // 4) * 4 * 4
+        scales_t = math.prod(fp8_gemm_sm90.weight_scale_t_shape(n, k, b)) * 4
         out["_fp8_gemm_sm90_gluon"] = Work(m * k + m * k // b * 4 + n * k + scales_t + m * n * x.dtype.itemsize,
                                            flops=2 * m * n * k)
     return out

@@ -337,13 +337,18 @@ if HAVE_GLUON:
         ], [1], [24])
 
 
+def weight_scale_t_shape(n: int, k: int, block: int) -> tuple[int, int]:
+    """[K / block, ceil(N / block) rounded up to 4]: the shape of ``weight_scale_t`` for a weight [N, K]."""
+    return k // block, triton.cdiv(triton.cdiv(n, block), 4) * 4
+
+
 def weight_scale_t(w_scale: torch.Tensor) -> torch.Tensor:
     """The kernel's form of the weight scales: fp32 [K / block, ceil(N / block) rounded up to 4] (transposed, so that
     a stage's scales are one TMA box with 16-byte rows; the padding columns are never used). ``w_scale`` [ceil(N /
     block), K / block] E8M0 codes or fp32. Constant per weight: callers may keep it and pass it as ``w_scale_t``."""
     sw = weight_scale_fp32(w_scale)
     nb, kb = sw.shape
-    out = torch.zeros(kb, -(-nb // 4) * 4, dtype=torch.float32, device=sw.device)
+    out = torch.zeros(weight_scale_t_shape(nb, kb, 1), dtype=torch.float32, device=sw.device)
     out[:, :nb] = sw.t()
     return out
 
@@ -404,11 +409,11 @@ def fp8_gemm_sm90(q: torch.Tensor, s_x: torch.Tensor, w: torch.Tensor, w_scale: 
                          f"{tuple(out.shape)} {out.dtype} strides {out.stride()}")
     if m == 0 or n == 0:
         return out
-    nbp = -(-(-(-n // block)) // 4) * 4
+    shape_t = weight_scale_t_shape(n, k, block)
     if w_scale_t is None:
         w_scale_t = weight_scale_t(w_scale)
-    elif w_scale_t.dtype != torch.float32 or tuple(w_scale_t.shape) != (k // block, nbp):
-        raise ValueError(f"fp8_gemm_sm90: w_scale_t must be weight_scale_t(w_scale): fp32 {(k // block, nbp)}, got "
+    elif w_scale_t.dtype != torch.float32 or tuple(w_scale_t.shape) != shape_t:
+        raise ValueError(f"fp8_gemm_sm90: w_scale_t must be weight_scale_t(w_scale): fp32 {shape_t}, got "
                          f"{tuple(w_scale_t.shape)} {w_scale_t.dtype}")
     q, w, s_x, w_scale_t = _aligned(q), _aligned(w), _aligned(s_x), _aligned(w_scale_t)
     ksteps = k // BKC
