@@ -356,7 +356,7 @@ def weight_scale_t(w_scale: torch.Tensor) -> torch.Tensor:
 @functools.lru_cache(maxsize=None)
 def _swizzled_layout(box: tuple[int, int], dtype):
     """The default (swizzled) shared layout of a TMA box: the same object for every call with this box and dtype
-    (building it took ~4.4 us of host time per call on a 2-core CPU, three per GEMM)."""
+    (built once: it was most of ``descriptors``' host time per GEMM call)."""
     return gl.NVMMASharedLayout.get_default_for(list(box), dtype)
 
 
