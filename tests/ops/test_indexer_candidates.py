@@ -24,7 +24,7 @@ from minidi.ops.indexer_score import indexer_topk
 from minidi.ops.topk import topk_indices_ref
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+gpu = pytest.mark.gpu  # conftest skips it without CUDA
 NAN = float("nan")
 
 
