@@ -119,6 +119,11 @@ def fused_site_table(device: str, smoke: bool, pk: dict) -> tuple[list, list]:
     default = hc_mix.default_config(t, d, x.dtype)
     common.table_row(table, f"fused op alone (default {default})", ms, nbytes, "GB/s", pk, base_ms,
                      kernel_ms=round(common.kernel_ms(lambda: hc_mix.launch(x, fn, pre, gbuf, sbuf, ubuf), device), 4))
+    pointer = dict(TMA=False)  # the pointer loads (the kernel before round 33, and the CPU interpreter's path)
+    ms = common.op_ms(lambda: hc_mix.launch(x, fn, pre, gbuf, sbuf, ubuf, **pointer), device, smoke)
+    common.table_row(table, "fused op, pointer loads (TMA=False)", ms, nbytes, "GB/s", pk, base_ms,
+                     kernel_ms=round(common.kernel_ms(lambda: hc_mix.launch(x, fn, pre, gbuf, sbuf, ubuf, **pointer),
+                                                      device), 4))
     for bt, bd, nw, ns in FUSED_SWEEP:
         cfg = dict(BT=bt, BD=bd, num_warps=nw, num_stages=ns)
         name = f"  BT{bt} BD{bd} w{nw} s{ns}"

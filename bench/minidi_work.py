@@ -20,7 +20,8 @@ that is the gap its row's % of the copy peak shows. Two rules beyond that, by th
   expert load, as ``minidi/runtime/flops.py`` counts the expert GEMMs' FLOPs), and the work says so (``basis``: the
   row's ``bytes_from``, ``*`` in the printed table). Without ``ep_size`` those kernels stay unknown.
 - ``hc_mix_partials`` reads its fp32 projection weight fn [M, n D] as the three bf16 pieces it keeps per weight
-  ([3, M, n D]: ``hc_mix.fn_pieces``), and writes the partial sums of the D splits its kernel runs.
+  ([3, MP, n D]: ``hc_mix.fn_pieces``, M rows padded to MP), and writes the partial sums of the D splits its kernel
+  runs.
 
 FLOPs, for the matmul-like kernels (``gate_tf32x3``, ``head_logits``, ``hc_mix_partials``' projection, the FP8 GEMM
 of ``fp8_linear``'s route): 2 M N K of the product the op computes (the tf32 / bf16 splits that make it fp32-exact do
@@ -135,9 +136,10 @@ def _hc_expand_mix(c: Call) -> dict[str, Work]:
 
 def _hc_mix(c: Call) -> dict[str, Work]:
     """x [T, n, D], fn [M, n D] fp32 (read as 3 bf16 pieces), pre [T, n] fp32 or None -> g [S, T, M] and ss [S, T]
-    fp32 over the S splits of D the kernel runs (a narrow D: fewer, the rest zeroed by torch), u [T, D] (pre given)."""
+    fp32 over the S splits of D the kernel runs (a narrow D: fewer, the rest zeroed by torch), u [T, D] (pre given).
+    One of two kernels runs, the same work: the pointer loads, or tiles by the TMA (sm_90)."""
     work = _hc_mix_work(c.t(0), c.t(1), c.opt(2))
-    return {} if work is None else {"_hc_mix_kernel": work}
+    return {} if work is None else {"_hc_mix_kernel": work, "_hc_mix_tma_kernel": work}
 
 
 def _hc_mix_work(x: TensorArg, fn: TensorArg, pre: TensorArg | None) -> Work | None:
@@ -147,7 +149,7 @@ def _hc_mix_work(x: TensorArg, fn: TensorArg, pre: TensorArg | None) -> Work | N
         return None
     bd = hc_mix.default_config(t, d, x.dtype)["BD"]
     splits = triton.cdiv(d, triton.cdiv(triton.cdiv(d, hc_mix.SPLITS), bd) * bd)
-    read = _size(x) + 3 * m * n * d * 2 + (_size(pre) if pre is not None else 0)
+    read = _size(x) + 3 * hc_mix.mix_width(m) * n * d * 2 + (_size(pre) if pre is not None else 0)
     write = splits * t * (m + 1) * 4 + (t * d * x.dtype.itemsize if pre is not None else 0)
     return Work(read + write, flops=2 * t * m * n * d)
 

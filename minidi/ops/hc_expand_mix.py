@@ -130,7 +130,7 @@ def launch(x: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Ten
         t, d, m, d_per, x.stride(0), x.stride(1), h.stride(0), post.stride(0), comb.stride(0), out.stride(0),
         out.stride(1), pieces.stride(0), pieces.stride(1), g.stride(0), g.stride(1), ss.stride(0),
         u.stride(0) if collapse else 0, pre.stride(0) if collapse else 0,
-        N=n, MP=max(16, triton.next_power_of_2(m)), COLLAPSE=collapse, X_BF16=x.dtype == torch.bfloat16,
+        N=n, MP=_mix.mix_width(m), COLLAPSE=collapse, X_BF16=x.dtype == torch.bfloat16,
         ROUND_BF16=interpreting() and x.dtype == torch.bfloat16, INTERPRET=interpreting(), BT=cfg["BT"],
         BD=cfg["BD"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 

@@ -11,12 +11,15 @@ Legend: T tokens, n streams, D width, M mixer outputs.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
 from minidi.model.hyper_connections import hc_collapse
 from minidi.ops import _triton_utils
-from minidi.ops.hc_mix import SPLITS, hc_mix_fused, hc_mix_partials_ref, launch
+from minidi.ops import hc_mix
+from minidi.ops.hc_mix import SPLITS, hc_mix_fused, hc_mix_partials_ref, launch, tma_ok
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.usefixtures("no_tf32")  # fp32 references in full fp32 (tests/conftest.py)
@@ -85,8 +88,6 @@ def test_every_output_element_written():
 def test_fn_pieces_split_once_and_redone_after_an_in_place_update(monkeypatch):
     """The pieces of fn are a weight's: computed on the first call, reused while fn is unchanged, recomputed after an
     in-place write (a stale split would give the old weight's projection)."""
-    from minidi.ops import hc_mix
-
     calls = []
     real = hc_mix.fn_pieces
     monkeypatch.setattr(hc_mix, "fn_pieces", lambda fn: calls.append(1) or real(fn))
@@ -172,3 +173,83 @@ def test_gpu_full_width_fp32_level():
     g_ref, ms_ref = refs(x, fn)
     assert rel(g, g_ref) <= 1e-5 and rel(ms, ms_ref) <= 1e-5, (rel(g, g_ref), rel(ms, ms_ref))
     assert_collapse_close(u, x, pre)
+
+
+def run_both(x, fn, pre, splits=SPLITS):
+    """The TMA kernel and the pointer kernel on poisoned outputs -> ((g, ss, u) TMA, (g, ss, u) pointers)."""
+    outs = []
+    for tma in (True, False):
+        t, _, d = x.shape
+        g = torch.full((splits, t, fn.shape[0]), float("nan"), device=x.device)
+        ss = torch.full((splits, t), float("nan"), device=x.device)
+        u = torch.full((t, d), float("nan"), device=x.device, dtype=x.dtype)
+        launch(x, fn, pre, g, ss, u, TMA=tma)
+        outs.append((g, ss, u if pre is not None else None))
+    return outs
+
+
+def assert_same_bits(a, b):
+    for p, q in zip(a, b):
+        assert (p is None) == (q is None) and (p is None or torch.equal(p, q))
+
+
+@needs_kernel
+@pytest.mark.parametrize("t,n,d,m", [(1, 4, 64, 24), (37, 4, 64, 24), (70, 2, 320, 24), (130, 4, 96, 4)])
+@pytest.mark.parametrize("collapse", [True, False])
+def test_tma_kernel_gives_the_pointer_kernels_bits(t, n, d, m, collapse):
+    """The TMA kernel (the GPU default on sm_90) runs the pointer kernel's arithmetic (``mix_stream_math``) on the
+    same tiles: the same bits, every output element written (poisoned), rows past T (a partial last block) and the
+    zero pad rows of the pieces (M 4 -> 16, 24 -> 32) included."""
+    x, fn, pre = make(t, n, d, m=m)
+    pre = pre if collapse else None
+    (g, ss, u), want = run_both(x, fn, pre)
+    assert_same_bits((g, ss, u), want)
+    assert not g.isnan().any() and not ss.isnan().any() and (u is None or not u.isnan().any())
+    g_ref, ms_ref = refs(x, fn)
+    assert rel(g.sum(0), g_ref) <= 1e-5 and rel(ss.sum(0).unsqueeze(-1) / (n * d), ms_ref) <= 1e-5
+    if collapse:
+        assert_collapse_close(u, x, pre)
+
+
+@needs_kernel
+def test_tma_kernel_reads_a_strided_row_view():
+    """x a view with padded rows (row stride n D + 32): the descriptor takes the stride, not a copy."""
+    t, n, d = 19, 4, 64
+    buf = torch.randn(t, n * d + 32, generator=torch.Generator().manual_seed(3)).bfloat16().to(DEV)
+    x = buf[:, : n * d].view(t, n, d)
+    _, fn, pre = make(t, n, d)
+    assert tma_ok(x, 32) is None
+    (g, ss, u), want = run_both(x, fn, pre)
+    assert_same_bits((g, ss, u), want)
+    assert rel(g.sum(0), refs(x, fn)[0]) <= 1e-5
+
+
+@pytest.mark.parametrize("case,match", [
+    (lambda x: x.float(), "not bfloat16"),
+    (lambda x: x[:, :, :40], "strides"),
+    (lambda x: x[..., :48].contiguous(), "not a multiple of BD"),
+])
+def test_tma_refusals_are_named(case, match):
+    x, fn, pre = make(4, 4, 64, device="cpu")
+    x = case(x)
+    why = tma_ok(x, 32)
+    assert why is not None and re.search(match, why), why
+    if hc_mix._TensorDescriptor is None:
+        return
+    fn = fn[:, : x.shape[1] * x.shape[2]].contiguous()
+    g, ss = torch.empty(SPLITS, 4, 24), torch.empty(SPLITS, 4)
+    with pytest.raises(ValueError, match="TMA=True, but"):
+        launch(x, fn, pre, g, ss, torch.empty(4, x.shape[2], dtype=x.dtype), TMA=True)
+
+
+@pytest.mark.gpu
+def test_gpu_tma_kernel_gives_the_pointer_kernels_bits():
+    """Full width (D 5,120, n 4; the step's shape but 300 tokens) on the GPU: the TMA kernel (the default on sm_90)
+    and the pointer kernel give the same bits, with and without the collapse."""
+    x, fn, pre = make(300, 4, 5120, device="cuda")
+    if tma_ok(x, 32) is not None:
+        pytest.skip(tma_ok(x, 32))
+    for p in (pre, None):
+        (g, ss, u), want = run_both(x, fn, p)
+        assert_same_bits((g, ss, u), want)
+        assert rel(g.sum(0), refs(x, fn)[0]) <= 1e-5
