@@ -31,6 +31,8 @@ OPTIONS = ("num_warps", "num_stages")
 def _arg_type(v) -> str:
     if isinstance(v, torch.Tensor):
         return "*" + DTYPES[v.dtype]
+    if type(v).__name__ == "TensorDescriptor":  # a host TMA descriptor (triton.tools.tensor_descriptor)
+        return f"tensordesc<{DTYPES[v.base.dtype]}[{', '.join(str(b) for b in v.block_shape)}]>"
     if isinstance(v, bool):
         return "i1"
     if isinstance(v, int):
@@ -56,7 +58,8 @@ OP_TESTS = ("tests/ops/test_fp4_grouped_gemm.py", "tests/ops/test_indexer_score.
             "tests/ops/test_fp8_experts.py", "tests/ops/test_indexer_candidates.py", "tests/ops/test_fp8_linear.py",
             "tests/ops/test_fp4_grouped_gemm_sm90.py", "tests/ops/test_rotated_rows.py",
             "tests/ops/test_head_logits.py", "tests/ops/test_row_topk.py", "tests/ops/test_expert_order.py",
-            "tests/ops/test_fq8.py", "tests/ops/test_moe_gather.py", "tests/ops/test_candidate_blocks.py")
+            "tests/ops/test_fq8.py", "tests/ops/test_moe_gather.py", "tests/ops/test_candidate_blocks.py",
+            "tests/ops/test_hc_expand_mix.py")
 PER_KERNEL = 12  # specialisations kept per kernel: the first of each variant (its bool / small-int constexprs)
 
 
