@@ -143,6 +143,16 @@ def num_sms(device: torch.device) -> int:
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def capability(device: torch.device) -> tuple[int, int]:
+    """(major, minor) compute capability of a CUDA device, asked once per device (launchers call it per launch)."""
+    return _capability(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def walk_grid(row_tiles: int, col_tiles: int, device: torch.device,
               per_sm: int | None) -> tuple[tuple[int, ...], bool]:
     """(grid, walk) of a kernel over row_tiles x col_tiles tiles of which only the rows below offs[-1] hold work, a

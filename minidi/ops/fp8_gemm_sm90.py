@@ -59,6 +59,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
+from ._triton_utils import capability, num_sms
 from .fp8_gemm import BLOCKS, check_args, weight_scale_fp32
 
 try:  # Gluon's Hopper API as Triton 3.6 has it; absent or renamed elsewhere: the module is inert
@@ -113,16 +114,11 @@ def gluon_supported() -> bool:
     return HAVE_GLUON and _triton_version() in TESTED_TRITON
 
 
-@functools.lru_cache(maxsize=None)
-def _capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
-
-
 def can_run(q: torch.Tensor, w: torch.Tensor, block: int) -> bool:
     """CUDA tensors on an sm_90 device, a tested Triton with Gluon, block 32 or 128, K a multiple of 128."""
     if not (q.is_cuda and w.is_cuda and gluon_supported()):
         return False
-    if _capability(q.device.index if q.device.index is not None else torch.cuda.current_device()) != (9, 0):
+    if capability(q.device) != (9, 0):
         return False
     return block in BLOCKS and q.dim() == 2 and q.shape[1] % BKC == 0
 
@@ -391,8 +387,6 @@ def fp8_gemm_sm90(q: torch.Tensor, s_x: torch.Tensor, w: torch.Tensor, w_scale: 
     fp32 -> y [M, N] ``out_dtype`` (see the module doc). ``w_scale_t``: ``weight_scale_t(w_scale)``, kept by the
     caller (skips its per-call construction). ``out``: an [M, N] tensor of ``out_dtype`` with unit column stride to
     write into."""
-    from ._triton_utils import num_sms
-
     check_args(q, s_x, w, w_scale, block, out_dtype, "fp8_gemm_sm90")
     if not can_run(q, w, block):
         raise ValueError(f"fp8_gemm_sm90: cannot run here (needs CUDA tensors on an sm_90 GPU, Triton "

@@ -31,7 +31,7 @@ import triton.language as tl
 from . import hc_expand as _expand
 from . import hc_mix as _mix
 from ._triton_utils import cannot_run, interpreting, resolve_backend, round_bf16, triton_can_run
-from .hc_mix import mix_stream_step
+from .hc_mix import mix_stream_step, store_collapse, store_partials
 
 
 # ---- reference -----------------------------------------------------------------------------------------------------
@@ -95,12 +95,8 @@ def _hc_expand_mix_kernel(x_ptr, h_ptr, post_ptr, comb_ptr, out_ptr, w_ptr, pre_
             sq, u, acc = mix_stream_step(xk, pre_ptr + rows * spre_t + k, t_ok, w_ptr + (k * D + d0) + w_offs,
                                          sw_piece, wm, sq, u, acc, COLLAPSE, X_BF16, INTERPRET)
         if COLLAPSE:
-            if X_BF16:
-                u = round_bf16(u)
-            tl.store(u_blk + d0 + (rb[:, None] * su_t + rd[None, :]), u.to(u_ptr.dtype.element_ty), mask=xm)
-    split = tl.program_id(1).to(tl.int64)
-    tl.store(g_ptr + split * sg_split + rows[:, None] * sg_t + rm[None, :], acc, mask=t_ok[:, None] & m_ok[None, :])
-    tl.store(ss_ptr + split * ss_split + rows, tl.sum(sq, axis=1), mask=t_ok)
+            store_collapse(u_blk, u, rb, rd, su_t, d0, xm, X_BF16)
+    store_partials(g_ptr, ss_ptr, acc, sq, rows, t_ok, rm, M, sg_split, sg_t, ss_split)
 
 
 # ---- launcher ------------------------------------------------------------------------------------------------------

@@ -36,13 +36,11 @@ tokens and BD columns per program step.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
-from ._triton_utils import cannot_run, interpreting, resolve_backend, round_bf16, triton_can_run
+from ._triton_utils import cannot_run, capability, interpreting, resolve_backend, round_bf16, triton_can_run
 from ._weight_cache import cached_per_tensor
 
 try:  # host-side TMA descriptors (Triton >= 3.4); without them the pointer kernel runs everywhere
@@ -101,6 +99,23 @@ def mix_stream_math(xj, pj, w2, w1, w0, sq, u, acc, COLLAPSE: tl.constexpr, X_BF
 
 
 @triton.jit
+def store_collapse(u_blk, u, rb, rd, su_t, d0, mask, X_BF16: tl.constexpr):
+    """u [BT, BD] of a BD step, rounded once to u's dtype, at columns d0.. of the block's rows (``u_blk``)."""
+    if X_BF16:
+        u = round_bf16(u)  # the interpreter's fp32 -> bf16 cast truncates
+    tl.store(u_blk + d0 + (rb[:, None] * su_t + rd[None, :]), u.to(u_blk.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def store_partials(g_ptr, ss_ptr, acc, sq, rows, t_ok, rm, M, sg_split, sg_t, ss_split):
+    """A program's partials of its D split (program id 1): the projection acc [BT, MP] (M columns of it) into
+    g [S, T, M] and its squares' row sums into ss [S, T]; ``rows`` int64 token ids, ``t_ok`` those below T."""
+    split = tl.program_id(1).to(tl.int64)
+    tl.store(g_ptr + split * sg_split + rows[:, None] * sg_t + rm[None, :], acc, mask=t_ok[:, None] & (rm < M)[None, :])
+    tl.store(ss_ptr + split * ss_split + rows, tl.sum(sq, axis=1), mask=t_ok)
+
+
+@triton.jit
 def _hc_mix_kernel(x_ptr, w_ptr, pre_ptr, g_ptr, ss_ptr, u_ptr,
                    T, D, M, D_PER_SPLIT, sx_t, sx_j, sw_piece, sw_m, sg_split, sg_t, ss_split, su_t, sp_t,
                    N: tl.constexpr, MP: tl.constexpr, COLLAPSE: tl.constexpr, X_BF16: tl.constexpr,
@@ -133,13 +148,8 @@ def _hc_mix_kernel(x_ptr, w_ptr, pre_ptr, g_ptr, ss_ptr, u_ptr,
                                          w_ptr + (j * D + d0) + w_offs, sw_piece, wm, sq, u, acc,
                                          COLLAPSE, X_BF16, INTERPRET)
         if COLLAPSE:
-            if X_BF16:
-                u = round_bf16(u)  # the interpreter's fp32 -> bf16 cast truncates
-            tl.store(u_blk + d0 + (rb[:, None] * su_t + rd[None, :]), u.to(u_ptr.dtype.element_ty), mask=xm)
-    split = tl.program_id(1).to(tl.int64)
-    rt64 = (t0 + rb).to(tl.int64)
-    tl.store(g_ptr + split * sg_split + rt64[:, None] * sg_t + rm[None, :], acc, mask=t_ok[:, None] & m_ok[None, :])
-    tl.store(ss_ptr + split * ss_split + rt64, tl.sum(sq, axis=1), mask=t_ok)
+            store_collapse(u_blk, u, rb, rd, su_t, d0, xm, X_BF16)
+    store_partials(g_ptr, ss_ptr, acc, sq, (t0 + rb).to(tl.int64), t_ok, rm, M, sg_split, sg_t, ss_split)
 
 
 @triton.jit
@@ -170,13 +180,8 @@ def _hc_mix_tma_kernel(x_desc, w_desc, pre_ptr, g_ptr, ss_ptr, u_ptr,
             w0 = tl.trans(w_desc.load([0, j * D + d0]))
             sq, u, acc = mix_stream_math(xj, pj, w2, w1, w0, sq, u, acc, COLLAPSE, True, INTERPRET)
         if COLLAPSE:
-            u = round_bf16(u)  # the interpreter's fp32 -> bf16 cast truncates
-            tl.store(u_blk + d0 + (rb[:, None] * su_t + rd[None, :]), u.to(u_ptr.dtype.element_ty),
-                     mask=t_ok[:, None] & (d0 + rd < d_end)[None, :])
-    split = tl.program_id(1).to(tl.int64)
-    rt64 = (t0 + rb).to(tl.int64)
-    tl.store(g_ptr + split * sg_split + rt64[:, None] * sg_t + rm[None, :], acc, mask=t_ok[:, None] & (rm < M)[None, :])
-    tl.store(ss_ptr + split * ss_split + rt64, tl.sum(sq, axis=1), mask=t_ok)
+            store_collapse(u_blk, u, rb, rd, su_t, d0, t_ok[:, None] & (d0 + rd < d_end)[None, :], True)
+    store_partials(g_ptr, ss_ptr, acc, sq, (t0 + rb).to(tl.int64), t_ok, rm, M, sg_split, sg_t, ss_split)
 
 
 # ---- launcher ------------------------------------------------------------------------------------------------------
@@ -227,11 +232,6 @@ def split_plan(fn: torch.Tensor, d: int, bd: int, g: torch.Tensor, ss: torch.Ten
     return pieces, d_per, used
 
 
-@functools.lru_cache(maxsize=None)
-def _capability(device: torch.device) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(device)
-
-
 def tma_ok(x: torch.Tensor, bd: int) -> str | None:
     """None where the TMA kernel can read x [T, n, D] in [BT, bd] boxes of its [T, n D] view, else why not: bf16,
     streams back to back (strides (s, D, 1)), 16-byte aligned base and row stride, D a multiple of bd, and a
@@ -245,7 +245,7 @@ def tma_ok(x: torch.Tensor, bd: int) -> str | None:
         return f"x's strides {tuple(x.stride())} / base are not a 16-byte aligned [T, n D] view"
     if d % bd:
         return f"D {d} is not a multiple of BD {bd}"
-    if x.is_cuda and _capability(x.device)[0] < 9:
+    if x.is_cuda and capability(x.device)[0] < 9:
         return "the device has no tensor-memory accelerator (sm_90+)"
     return None
 
@@ -265,10 +265,12 @@ def launch(x: torch.Tensor, fn: torch.Tensor, pre: torch.Tensor | None, g: torch
     collapse = pre is not None
     pre_arg = pre if collapse else ss
     mp = mix_width(m)
-    why_not = tma_ok(x, cfg["BD"]) if cfg["TMA"] is not False else "TMA=False"
-    if cfg["TMA"] and why_not:
+    use_tma = cfg["TMA"]
+    if use_tma is None:
+        use_tma = x.is_cuda and tma_ok(x, cfg["BD"]) is None
+    elif use_tma and (why_not := tma_ok(x, cfg["BD"])):
         raise ValueError(f"hc_mix: TMA=True, but {why_not}")
-    if why_not is None and (cfg["TMA"] or x.is_cuda):
+    if use_tma:
         x_desc = _TensorDescriptor.from_tensor(x.as_strided((t, n * d), (x.stride(0), 1)), [cfg["BT"], cfg["BD"]])
         w_desc = _TensorDescriptor.from_tensor(pieces.view(3 * mp, n * d), [mp, cfg["BD"]])
         _hc_mix_tma_kernel[grid](
