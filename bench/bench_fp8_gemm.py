@@ -1,6 +1,6 @@
 """Block-scaled FP8 dense GEMM on Hopper (``minidi/ops/fp8_gemm_sm90.py``) vs the current ``fp8_linear`` path (bf16
-``F.linear`` on the cached dequantised weight), at V4.1-Flash's projection shapes (T = 4,096 rows, 32-blocks) and a
-few V4-Flash 128-block cases, in one run.
+``F.linear`` on the cached dequantised weight), at V4.1-Flash's projection shapes (T = 4,096 rows, 32-blocks) and
+V4-Flash's FP8 linears (128-blocks), in one run.
 
 Per shape [N, K]:
 - fp8 sm90: the Gluon kernel on the fq8 split of x, its weight scales prepared once (``weight_scale_t``, as a caller
@@ -11,8 +11,8 @@ Per shape [N, K]:
 - bf16 F.linear: ``F.linear(fq8(x), dequant_fp8(w))`` with the dequantised weight made beforehand (today's path, its
   input fq8 not counted);
 - fq8_split: the input quantisation the fp8 path needs (``minidi.ops.fp8_quant.fq8_split``), memory-bound;
-- (128-blocks) torch._scaled_mm with 1 x 128 / 128 x 128 block scales where this torch supports it on sm_90: an anchor
-  (DeepGEMM-style promotion every 128).
+- (128-blocks) cuBLAS's block-scaled GEMM (``fp8_gemm_cublas``: ``torch._scaled_mm`` with 1 x 128 / 128 x 128 block
+  scales, what ``fp8_linear`` runs where its shape rules hold), on the split with M-major scales.
 Every fp8 output is checked against the bf16 path's (same products; max error relative to max |y|).
 Peaks measured in the same run: bf16 (``common.measure_peaks``) and fp8 (``torch._scaled_mm`` 8192^3, per-tensor
 scales). FLOPs = 2 M N K. ``--sweep``: the kernel's config knobs on the two big shapes (kernel times; a second JSON
@@ -31,8 +31,9 @@ import torch.nn.functional as F
 import triton
 
 from minidi import formats
+from minidi.ops import fp8_gemm_cublas as cublas
 from minidi.ops import fp8_gemm_sm90 as g
-from minidi.ops.fp8_quant import fq8_split
+from minidi.ops.fp8_quant import fq8_split, fq8_split_launch
 
 if __package__:
     from . import common
@@ -41,7 +42,8 @@ else:
 
 T = 4096
 V41_SHAPES = [(1280, 5120), (32768, 1280), (512, 5120), (5120, 8192), (2304, 5120), (5120, 2304), (4096, 1280)]
-V4_SHAPES = [(32768, 1280), (5120, 8192), (2304, 5120)]  # 128-block cases (V4-Flash's scale layout)
+V4_SHAPES = [(1024, 4096), (32768, 1024), (512, 4096), (4096, 8192), (2048, 4096), (4096, 2048),
+             (8192, 1024)]  # V4-Flash's FP8 linears (128-blocks): wq_a, wq_b, wkv, wo_b, shared w1 / w3, w2, idx wq_b
 C = g.Fp8GemmSm90Config
 SWEEP = [C(), C(NS=3), C(NS=6), C(GROUP_M=16), C(GROUP_M=1), C(U=1), C(PIPE=False), C(EPI_TMA=True),
          C(EPI_TMA=True, NS=5)]
@@ -54,22 +56,6 @@ def make(m: int, n: int, k: int, block: int, device: str):
     w = (torch.randn(n, k, device=device) * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
     codes = torch.randint(118, 134, (-(-n // block), k // block), device=device, dtype=torch.uint8)
     return x, w, codes
-
-
-def scaled_mm_blockwise(q128, s128, w, codes):
-    """torch._scaled_mm with 1 x 128 activation and 128 x 128 weight scales, or the error text where this torch
-    has no such path. Tries the scale layouts torch documents (activation scales outer-dim-major)."""
-    sw = formats.e8m0_to_float(codes)  # [N/128, K/128]
-    errors = []
-    for sa, sb in ((s128.t().contiguous().t(), sw.t()), (s128, sw), (s128.t().contiguous().t(), sw)):
-        try:
-            fn = lambda: torch._scaled_mm(q128, w.t(), sa, sb, out_dtype=torch.bfloat16)  # noqa: E731
-            fn()
-            torch.cuda.synchronize()
-            return fn, None
-        except Exception as e:  # noqa: BLE001 - the anchor is optional
-            errors.append(f"{type(e).__name__}: {str(e).splitlines()[0][:160]}")
-    return None, " | ".join(errors)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -148,24 +134,29 @@ def main(argv: list[str] | None = None) -> dict:
                 lambda: g.fp8_gemm_sm90(q, s, w, codes, block, w_scale_t=sw_t, config=pf), device, calls=20), 4)
             row["fp8_prefetch_same_bits"] = bool(torch.equal(
                 g.fp8_gemm_sm90(q, s, w, codes, block, w_scale_t=sw_t, config=pf), y8))
-            fn, why = scaled_mm_blockwise(q, s, w, codes)
-            if fn is not None:
+            if cublas.shape_ok(T, n, k):
+                qt, st = fq8_split_launch(x, block, scales_t=True)
+                swc = cublas.weight_scales(codes)
+                fn = lambda: cublas.fp8_gemm_cublas(qt, st, w, swc, torch.bfloat16)  # noqa: E731
                 ys = fn()
-                ms_s = common.op_ms(fn, device)
-                row["scaled_mm_ms"] = round(ms_s, 4)
-                row["scaled_mm_kernel_ms"] = round(common.kernel_ms(fn, device, calls=20), 4)
-                row["scaled_mm_tflops"] = round(tf(ms_s, flops), 1)
-                e_s = float((ys.float() - y16.float()).abs().max() / y16.float().abs().max())
-                row["scaled_mm_err_vs_bf16"] = float(f"{e_s:.3g}")
+                ms_c, k_c = common.op_ms(fn, device), common.kernel_ms(fn, device, calls=20)
+                e_c = float((ys.float() - y16.float()).abs().max() / y16.float().abs().max())
+                row.update(cublas_ms=round(ms_c, 4), cublas_kernel_ms=round(k_c, 4),
+                           cublas_kernel_tflops=round(tf(k_c, flops), 1),
+                           cublas_pct_fp8_peak=round(100 * tf(k_c, flops) / pk["fp8_tflops"], 1),
+                           cublas_x_vs_bf16_kernel=round(k_bf16 / k_c, 3),
+                           cublas_x_vs_fp8_kernel=round(k_tma / k_c, 3), cublas_err_vs_bf16=float(f"{e_c:.3g}"))
+                del qt, st, swc, ys
             else:
-                row["scaled_mm"] = why
+                row["cublas"] = "outside its shape rules (fp8_gemm_cublas.shape_ok)"
         results.append(row)
         cols = ("shape", "bf16_ms", "fp8_ms", "x_vs_bf16", "bf16_kernel_ms", "fp8_kernel_ms", "fp8_tma_store_kernel_ms",
                 "fp8_kernel_tflops", "x_vs_bf16_kernel", "x_vs_bf16_kernel_tma_store", "fq8_split_kernel_ms",
                 "err_vs_bf16")
         table.append({k_: row[k_] for k_ in cols}
                      | ({"no_prom_kernel_tflops": row["no_promotion_kernel_tflops"]} if args.ablate else {})
-                     | ({"scaled_mm_tflops": row.get("scaled_mm_tflops", "n/a")} if block == 128 else {}))
+                     | ({"cublas_kernel_tflops": row.get("cublas_kernel_tflops", "n/a"),
+                         "cublas_x_vs_bf16_kernel": row.get("cublas_x_vs_bf16_kernel", "n/a")} if block == 128 else {}))
         common.say(table[-1])
         del x, w, codes, q, s, sw_t, xq, wd, y16, y8, y8t
         torch.cuda.empty_cache()

@@ -4,7 +4,8 @@ in a Chrome trace event (``record_shapes=True``: ``Input Dims`` / ``Input type``
 / ``kernel_num_gb``). None wherever the trace does not decide it: nothing is guessed.
 
 - FLOPs: the profiler's count for the matmul-like ops of ``MATMUL_OPS`` (0 when an operand is empty: the profiler
-  records no 0); ``kernel_flop`` of an Inductor kernel record.
+  records no 0); 2 M N K of ``aten::_scaled_mm`` ([M, K] x [K, N]: the profiler counts none); ``kernel_flop`` of an
+  Inductor kernel record.
 - bytes: ``kernel_num_gb`` of an Inductor Triton kernel record (Inductor's own estimate, present only when
   ``torch._inductor.config.benchmark_kernel`` was set at compile time); for ``COPY_OPS`` (copy_: destination written
   + source read; fill_ / zero_: written) and ``ELEMENTWISE_OPS`` (and their in-place forms) the bytes of the tensor
@@ -27,6 +28,7 @@ from functools import reduce
 import torch
 
 MATMUL_OPS = frozenset({"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm"})
+SCALED_MM = "aten::_scaled_mm"  # FP8 matmul (fp8_linear's cuBLAS route): 2 M N K from its operands' dims
 COPY_OPS = frozenset({"aten::copy_", "aten::fill_", "aten::zero_"})  # fill_ / zero_: write their first argument
 _PROMOTE = ("add sub rsub mul maximum minimum fmax fmin pow remainder fmod bitwise_and bitwise_or bitwise_xor __and__ "
             "__or__ __xor__ __rshift__ __lshift__ bitwise_left_shift bitwise_right_shift floor_divide atan2 copysign "
@@ -179,6 +181,10 @@ def op_work(event: dict) -> tuple[float | None, float | None]:
         flops = float(args["flops"])
     elif name in MATMUL_OPS and any(t is not None and 0 in t.dims for t in tensor_args(args) or []):
         flops = 0.0  # an empty operand or output (an expert with no rows): 2*M*N*K = 0 (the profiler records no 0)
+    if name == SCALED_MM:
+        t = tensor_args(args) or []
+        if len(t) > 1 and t[0] is not None and t[1] is not None and len(t[0].dims) == len(t[1].dims) == 2:
+            flops = 2.0 * t[0].dims[0] * t[0].dims[1] * t[1].dims[1]
     if _positive(args.get("kernel_flop")):
         flops = float(args["kernel_flop"])
     if _positive(args.get("kernel_num_gb")):
@@ -210,7 +216,7 @@ def call_work(event: dict, busy_children: list[str]) -> tuple[float | None, floa
 
     - it delegates (calls an op of its own name, e.g. a Scalar overload the Tensor one; or a copy-like op only
       copy-like ones): that child computes the result and carries the work in its own row, so this call's part is 0;
-    - a matmul that only copies its operands first (``contiguous`` ...): its FLOPs are its own;
+    - a matmul that only copies its operands first (``contiguous`` ...), or any ``_scaled_mm``: its FLOPs are its own;
     - any other call of an op that does work: unknown (the work may be in the child, or split);
     - no such children: ``op_work``.
     """
@@ -219,6 +225,8 @@ def call_work(event: dict, busy_children: list[str]) -> tuple[float | None, floa
         return tuple(None if w is None else 0.0 for w in op_work(event))  # type: ignore[return-value]
     if busy_children:
         if name in MATMUL_OPS and all(c in PREP_OPS for c in busy_children):
+            return op_work(event)[0], None
+        if name == SCALED_MM:  # its FLOPs are its own whatever it calls (no child computes its product)
             return op_work(event)[0], None
         return None, None
     return op_work(event)

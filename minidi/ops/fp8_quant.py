@@ -33,8 +33,8 @@ _AMAX_FLOOR = tl.constexpr(FQ8_AMAX_FLOOR)
 
 
 @triton.jit
-def _fq8_split_kernel(x_ptr, q_ptr, s_ptr, n_blocks, BLOCK: tl.constexpr, BLOCKS: tl.constexpr,
-                      INTERPRET: tl.constexpr):
+def _fq8_split_kernel(x_ptr, q_ptr, s_ptr, n_blocks, rows, row_blocks, BLOCK: tl.constexpr, BLOCKS: tl.constexpr,
+                      SCALES_T: tl.constexpr, INTERPRET: tl.constexpr):
     b = tl.program_id(0).to(tl.int64) * BLOCKS + tl.arange(0, BLOCKS)  # [BLOCKS] block ids
     j = tl.arange(0, BLOCK)
     ok = b < n_blocks
@@ -48,7 +48,10 @@ def _fq8_split_kernel(x_ptr, q_ptr, s_ptr, n_blocks, BLOCK: tl.constexpr, BLOCKS
         tl.store(q_ptr.to(tl.pointer_type(tl.uint8)) + offs, e4m3_bits(v).to(tl.uint8), mask=ok[:, None])
     else:
         tl.store(q_ptr + offs, v.to(tl.float8e4nv), mask=ok[:, None])
-    tl.store(s_ptr + b, s, mask=ok)
+    if SCALES_T:  # s as [K / block, R]: block j of row r at j * R + r
+        tl.store(s_ptr + (b % row_blocks) * rows + b // row_blocks, s, mask=ok)
+    else:
+        tl.store(s_ptr + b, s, mask=ok)
 
 
 def _check(x: torch.Tensor, block: int) -> None:
@@ -60,19 +63,32 @@ def _check(x: torch.Tensor, block: int) -> None:
         raise ValueError(f"fq8_split: the last dim {x.shape[-1]} is not a multiple of block {block}")
 
 
+def fq8_split_launch(x: torch.Tensor, block: int, scales_t: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel on a checked input x [R, K] (no op dispatch: for the ops that call it inside their own op).
+    ``scales_t``: s is the [R, K / block] transpose-view of a contiguous [K / block, R] tensor (strides (1, R): the
+    activation scales' layout of cuBLAS's block-scaled GEMM, ``fp8_gemm_cublas``); same values."""
+    x = x.contiguous()
+    rows, k = x.shape
+    q = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+    if scales_t:
+        s = torch.empty(k // block, rows, dtype=torch.float32, device=x.device).t()
+    else:
+        s = torch.empty(rows, k // block, dtype=torch.float32, device=x.device)
+    n_blocks = x.numel() // block
+    if n_blocks:
+        blocks = 32 if block == 32 else 8
+        _fq8_split_kernel[(triton.cdiv(n_blocks, blocks),)](x, q, s, n_blocks, rows, k // block, BLOCK=block,
+                                                            BLOCKS=blocks, SCALES_T=scales_t,
+                                                            INTERPRET=interpreting(), num_warps=4)
+    return q, s
+
+
 @torch.library.custom_op("minidi::fq8_split", mutates_args=())
 def _fq8_split_op(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
     if not triton_can_run(x):
         raise cannot_run("minidi::fq8_split", x)
-    x = x.contiguous()
-    q = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
-    s = torch.empty(*x.shape[:-1], x.shape[-1] // block, dtype=torch.float32, device=x.device)
-    n_blocks = x.numel() // block
-    if n_blocks:
-        blocks = 32 if block == 32 else 8
-        _fq8_split_kernel[(triton.cdiv(n_blocks, blocks),)](x, q, s, n_blocks, BLOCK=block, BLOCKS=blocks,
-                                                            INTERPRET=interpreting(), num_warps=4)
-    return q, s
+    q, s = fq8_split_launch(x.reshape(-1, x.shape[-1]), block)
+    return q.view(x.shape), s.view(*x.shape[:-1], x.shape[-1] // block)
 
 
 @_fq8_split_op.register_fake

@@ -389,6 +389,9 @@ def test_flops_of_one_call():
     assert op_work(_ev("aten::mm", [[64, 128], [128, 32]], ["float", "float"])) == (None, None)  # no count: unknown
     assert op_work(_ev("aten::mul", [[4], [4]], ["float", "float"], flops=4.0))[0] is None  # not a matmul
     assert op_work(_op("triton_tem_fused_mm_0", 0, 1, kernel_flop=8e9, kernel_num_gb=0.5)) == (8e9, 5e8)
+    fp8 = ["c10::Float8_e4m3fn", "c10::Float8_e4m3fn", "float", "float", "", "", "ScalarType", "Scalar"]
+    scaled = _ev("aten::_scaled_mm", [[4096, 1024], [1024, 32768], [4096, 8], [8, 256], [], [], [], []], fp8)
+    assert op_work(scaled) == (2.0 * 4096 * 1024 * 32768, None)  # the FP8 route's cuBLAS GEMM: the profiler counts none
 
 
 def test_call_work_of_composites():
@@ -400,6 +403,9 @@ def test_call_work_of_composites():
     mm = _ev("aten::bmm", [[2, 4, 8], [2, 8, 4]], ["float", "float"], flops=512.0)
     assert call_work(mm, ["aten::contiguous"]) == (512.0, None)  # an operand copied first: the FLOPs are its own
     assert call_work(mm, ["aten::_some_inner_matmul"]) == (None, None)
+    fp8 = ["c10::Float8_e4m3fn", "c10::Float8_e4m3fn", "float", "float"]
+    scaled = _ev("aten::_scaled_mm", [[8, 512], [512, 256], [8, 4], [4, 2]], fp8)
+    assert call_work(scaled, ["aten::clone"]) == (2.0 * 8 * 512 * 256, None)  # whatever it calls: its own FLOPs
 
 
 def test_out_arguments_from_the_schemas():

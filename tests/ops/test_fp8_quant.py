@@ -8,7 +8,7 @@ import torch
 
 from minidi import formats
 from minidi.model.quant import fq8
-from minidi.ops.fp8_quant import fq8_split
+from minidi.ops.fp8_quant import fq8_split, fq8_split_launch
 
 gpu = pytest.mark.gpu
 interpreter = pytest.mark.interpreter  # the kernels on CPU tensors
@@ -41,6 +41,19 @@ def test_matches_the_format_bit_for_bit(device, shape, block, dtype):
     assert torch.equal(bits(q), bits(rq))
     assert torch.equal(s, rs)
     assert torch.equal((q.float() * s.repeat_interleave(block, -1)).to(dtype), fq8(x, block))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("rows,k,block", [(13, 512, 128), (4, 96, 32), (0, 256, 128)])
+def test_scales_in_m_major_order_are_the_same_values(device, rows, k, block):
+    """``fq8_split_launch(..., scales_t=True)`` (cuBLAS's activation-scale layout): the same e4m3 bytes and scales,
+    the scales an [R, K / block] view with strides (1, R) of a [K / block, R] tensor."""
+    gen = torch.Generator().manual_seed(rows + k)
+    x = wide((max(rows, 1), k), gen)[:rows].to(device)
+    q, s = fq8_split_launch(x, block)
+    qt, st = fq8_split_launch(x, block, scales_t=True)
+    assert st.shape == (rows, k // block) and st.t().is_contiguous() and (rows == 0 or st.stride() == (1, rows))
+    assert torch.equal(bits(qt), bits(q)) and torch.equal(st, s)  # (an element left unwritten would differ)
 
 
 @pytest.mark.parametrize("device", DEVICES)
