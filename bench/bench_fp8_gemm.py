@@ -10,7 +10,8 @@ Per shape [N, K]:
   the GPU waits for it) and ``*_kernel_ms`` by ``common.kernel_ms`` (the profiler's device time of the kernels);
 - bf16 F.linear: ``F.linear(fq8(x), dequant_fp8(w))`` with the dequantised weight made beforehand (today's path, its
   input fq8 not counted);
-- fq8_split: the input quantisation the fp8 path needs (``minidi.ops.fp8_quant.fq8_split``), memory-bound;
+- fq8_split: the input quantisation the fp8 path needs (``minidi.ops.fp8_quant.fq8_split``), memory-bound; for the
+  cuBLAS rows also with M-major scales (``fq8_split_mmajor``, what that route runs);
 - (128-blocks) cuBLAS's block-scaled GEMM (``fp8_gemm_cublas``: ``torch._scaled_mm`` with 1 x 128 / 128 x 128 block
   scales, what ``fp8_linear`` runs where its shape rules hold), on the split with M-major scales.
 Every fp8 output is checked against the bf16 path's (same products; max error relative to max |y|).
@@ -141,7 +142,9 @@ def main(argv: list[str] | None = None) -> dict:
                 ys = fn()
                 ms_c, k_c = common.op_ms(fn, device), common.kernel_ms(fn, device, calls=20)
                 e_c = float((ys.float() - y16.float()).abs().max() / y16.float().abs().max())
+                k_st = common.kernel_ms(lambda: fq8_split_launch(x, block, scales_t=True), device, calls=20)
                 row.update(cublas_ms=round(ms_c, 4), cublas_kernel_ms=round(k_c, 4),
+                           fq8_split_mmajor_kernel_ms=round(k_st, 4),
                            cublas_kernel_tflops=round(tf(k_c, flops), 1),
                            cublas_pct_fp8_peak=round(100 * tf(k_c, flops) / pk["fp8_tflops"], 1),
                            cublas_x_vs_bf16_kernel=round(k_bf16 / k_c, 3),

@@ -11,12 +11,15 @@ docstring and ``tests/test_formats.py`` / the op tests hold it equal to the func
   sign, bits 0-2 index the grid {0, .5, 1, 1.5, 2, 3, 4, 6}; one E8M0 scale per ``FP4_BLOCK`` = 32 consecutive
   elements along the last dim.
 - FP8 e4m3 (``float8_e4m3fn``): largest finite magnitude ``E4M3_MAX`` = 448.
+- Hadamard rotation (V4's indexer q and k): the Sylvester matrix scaled by n^-1/2, applied in fp32.
 - fq8 blocks (the model's FP8 activations): ``fq8_split`` gives the e4m3 values and the power-of-two scale of each
   block of ``block`` values along the last dim; ``minidi.model.quant.fq8`` is their product, the FP8 GEMMs
   (``minidi.ops.fp8_*``) multiply the two parts on the tensor cores.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -107,3 +110,23 @@ def dequant_fp4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, b
     vals = e2m1_grid(packed.device)[unpack_fp4_codes(packed)]
     s = e8m0_to_float(scale).repeat_interleave(block, dim=-1)
     return (vals * s).to(dtype)
+
+
+# ---- Hadamard rotation (V4's indexer q and k) ----------------------------------------------------------------------
+def hadamard_matrix(n: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Sylvester-order Hadamard matrix scaled by n^-1/2 (fp32 [n, n]); n a power of two."""
+    if n < 1 or n & (n - 1):
+        raise ValueError(f"Hadamard size {n} is not a power of two")
+    h = torch.ones(1, 1, device=device)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h / math.sqrt(n)
+
+
+def hadamard(x: torch.Tensor) -> torch.Tensor:
+    """Rotate the last dim by the (symmetric) scaled Hadamard matrix, in fp32; returns the input dtype.
+
+    Pass V (``minidi/passes/rewrite_hadamard.py``) recognises exactly this product (the matrix built by
+    ``hadamard_matrix`` in the traced graph): change it and that pass's matcher together."""
+    h = hadamard_matrix(x.shape[-1], x.device)
+    return (x.float() @ h).to(x.dtype)

@@ -13,14 +13,13 @@ scales), ``fq4_e4m3`` (e2m1, e4m3 scales). All compute in fp32 and return the in
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 # The formats themselves (E8M0 / e2m1 decode, the grids, the e4m3 max) live in the leaf module minidi.formats, shared
 # with the ops' references; re-exported here for the model's modules.
 from minidi.formats import (E2M1_GRID, E2M1_MAX, E4M3_MAX, dequant_fp4, dequant_fp8, e2m1_grid,  # noqa: F401
-                            e8m0_to_float, expand_tiles, float_to_e8m0, pow2_ceil, unpack_fp4_codes)
+                            e8m0_to_float, expand_tiles, float_to_e8m0, hadamard, hadamard_matrix, pow2_ceil,
+                            unpack_fp4_codes)
 
 
 # ---- FP8 block weights ---------------------------------------------------------------------------------------------
@@ -93,19 +92,3 @@ def fq4_e4m3(x: torch.Tensor, block: int = 16) -> torch.Tensor:
     s = (amax / E2M1_MAX).clamp_max(E4M3_MAX).to(torch.float8_e4m3fn).float()  # explicit saturation
     return (round_e2m1((g / s).clamp(-E2M1_MAX, E2M1_MAX)) * s).flatten(-2).to(x.dtype)
 
-
-# ---- Hadamard (V4 indexer) ---------------------------------------------------------------------------------------
-def hadamard_matrix(n: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """Sylvester-order Hadamard matrix scaled by n^-1/2 (fp32 [n, n]); n a power of two."""
-    if n < 1 or n & (n - 1):
-        raise ValueError(f"Hadamard size {n} is not a power of two")
-    h = torch.ones(1, 1, device=device)
-    while h.shape[0] < n:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    return h / math.sqrt(n)
-
-
-def hadamard(x: torch.Tensor) -> torch.Tensor:
-    """Rotate the last dim by the (symmetric) scaled Hadamard matrix, in fp32; returns the input dtype."""
-    h = hadamard_matrix(x.shape[-1], x.device)
-    return (x.float() @ h).to(x.dtype)

@@ -8,11 +8,12 @@ so that q * s is the model's ``fq8(x)`` bit for bit (``minidi.formats.fq8_split`
 that is already fq8's output, the split is exact (q * s == x): the products of the FP8 GEMM are then the products
 of the bf16 GEMM it replaces.
 
-Kernel: one program per ``BLOCKS`` consecutive blocks of one row-major [R, K] tensor, viewed as [R * K / block,
-block]; loads in fp32, amax per block, the scale from the amax's bits (``pow2_ceil``), the quotient by multiplying
-with 1 / s (a power of two: exact), e4m3 rounding by the hardware conversion (``cvt.rn.satfinite``) on the GPU and by
-exact fp32 and integer arithmetic in the interpreter, whose fp32 -> fp8 cast truncates. Memory-bound: reads 2 B
-(bf16) and writes 1 B + 4 / block B per element.
+Kernel: one program per ``BLOCKS`` consecutive blocks of one row-major [R, K] tensor, viewed as [R * K / block, block]
+(with M-major scales, ``fq8_split_launch(..., scales_t=True)`` for cuBLAS: one block column of ``BLOCKS`` consecutive
+rows, so that a program's scales are adjacent there); loads in fp32, amax per block, the scale from the amax's bits
+(``pow2_ceil``), the quotient by multiplying with 1 / s (a power of two: exact), e4m3 rounding by the hardware
+conversion (``cvt.rn.satfinite``) on the GPU and by exact fp32 and integer arithmetic in the interpreter, whose fp32 ->
+fp8 cast truncates. Memory-bound: reads 2 B (bf16) and writes 1 B + 4 / block B per element.
 """
 
 from __future__ import annotations
@@ -35,9 +36,15 @@ _AMAX_FLOOR = tl.constexpr(FQ8_AMAX_FLOOR)
 @triton.jit
 def _fq8_split_kernel(x_ptr, q_ptr, s_ptr, n_blocks, rows, row_blocks, BLOCK: tl.constexpr, BLOCKS: tl.constexpr,
                       SCALES_T: tl.constexpr, INTERPRET: tl.constexpr):
-    b = tl.program_id(0).to(tl.int64) * BLOCKS + tl.arange(0, BLOCKS)  # [BLOCKS] block ids
+    if SCALES_T:  # BLOCKS rows' block c: their scales are adjacent in s [K / block, R]
+        c = tl.program_id(0) % row_blocks
+        r = (tl.program_id(0) // row_blocks).to(tl.int64) * BLOCKS + tl.arange(0, BLOCKS)
+        b = r * row_blocks + c  # [BLOCKS] block ids
+        ok = r < rows
+    else:  # BLOCKS consecutive blocks
+        b = tl.program_id(0).to(tl.int64) * BLOCKS + tl.arange(0, BLOCKS)
+        ok = b < n_blocks
     j = tl.arange(0, BLOCK)
-    ok = b < n_blocks
     offs = b[:, None] * BLOCK + j[None, :]
     x = tl.load(x_ptr + offs, mask=ok[:, None], other=0.0).to(tl.float32)  # [BLOCKS, BLOCK]
     amax = tl.maximum(tl.max(tl.abs(x), 1), _AMAX_FLOOR)
@@ -48,8 +55,8 @@ def _fq8_split_kernel(x_ptr, q_ptr, s_ptr, n_blocks, rows, row_blocks, BLOCK: tl
         tl.store(q_ptr.to(tl.pointer_type(tl.uint8)) + offs, e4m3_bits(v).to(tl.uint8), mask=ok[:, None])
     else:
         tl.store(q_ptr + offs, v.to(tl.float8e4nv), mask=ok[:, None])
-    if SCALES_T:  # s as [K / block, R]: block j of row r at j * R + r
-        tl.store(s_ptr + (b % row_blocks) * rows + b // row_blocks, s, mask=ok)
+    if SCALES_T:  # s as [K / block, R]: block c of row r at c * R + r
+        tl.store(s_ptr + c * rows + r, s, mask=ok)
     else:
         tl.store(s_ptr + b, s, mask=ok)
 
@@ -77,9 +84,9 @@ def fq8_split_launch(x: torch.Tensor, block: int, scales_t: bool = False) -> tup
     n_blocks = x.numel() // block
     if n_blocks:
         blocks = 32 if block == 32 else 8
-        _fq8_split_kernel[(triton.cdiv(n_blocks, blocks),)](x, q, s, n_blocks, rows, k // block, BLOCK=block,
-                                                            BLOCKS=blocks, SCALES_T=scales_t,
-                                                            INTERPRET=interpreting(), num_warps=4)
+        grid = triton.cdiv(rows, blocks) * (k // block) if scales_t else triton.cdiv(n_blocks, blocks)
+        _fq8_split_kernel[(grid,)](x, q, s, n_blocks, rows, k // block, BLOCK=block, BLOCKS=blocks,
+                                   SCALES_T=scales_t, INTERPRET=interpreting(), num_warps=4)
     return q, s
 
 

@@ -12,20 +12,21 @@ see ``docs/passes.md``.
 Pass order (each pass sees the graph the previous one left): C moe_combine, E gate_tf32x3, S compressor_gemm, D
 fp4_grouped_mm, A sparse_attention, B indexer_topk, F hc_mix, J hc_mix_fused, K hc_sinkhorn, G hc_expand, U
 hc_expand_mix, H moe_activation, I moe_row_gather, L fp8_experts, M indexer_candidates, T candidate_blocks, N
-fp8_linear, R shared_fq8, O head_logits, P row_topk, Q expert_order. The passes touch disjoint subgraphs (B's top-k
-output feeds A's ``comp_idx``, and both read only the other's *result*); H and I read the GEMMs D leaves (either form),
-and J takes F's projection in either form (F's op or the naive GEMM), so apart from fp32 models (where H and I need D
-first) the order changes no match; it is fixed so that logs and graphs are stable. L rewrites D's and H's ops (and I's
-or the naive gather), so it comes after them and ``select`` refuses it without D and H; M rewrites B's op (a re-index
-layer's mask from candidate block ids -> candidate-only scoring) and needs B; T (the candidate source's block selection)
-reads B's scores output (or the naive scores) and nothing else's. N (each FP8 linear's fq8, weight dequant and GEMM ->
-one op) reads what the others leave of the linears' inputs; U (a layer's stream update and its MoE site's mixer reads of
-it -> one op) rewrites G's and J's ops, so it comes after both and needs them; R rewrites N's ops (linears that read one
-input with one act_block -> one fq8 op, the linears on its result with act_block -b: fq8 already) and needs N. O (the
-output head's fp32 GEMM) takes only a GEMM that is the graph's output, which no other pass's site is. P (the router's
-top-k) and Q (the dispatch's argsort and expert counts) replace values that other passes' ops only read (C's and I's
-``order``, the GEMMs' ``offs`` from Q's counts). S (a compressor's fp32 GEMMs, bf16 operands, feeding its ``cat``) takes
-GEMMs that E (softplus), F (fp32 weights) and O (the graph's output) refuse.
+fp8_linear, R shared_fq8, O head_logits, P row_topk, Q expert_order, V hadamard. The passes touch disjoint subgraphs
+(B's top-k output feeds A's ``comp_idx``, and both read only the other's *result*); H and I read the GEMMs D leaves
+(either form), and J takes F's projection in either form (F's op or the naive GEMM), so apart from fp32 models (where H
+and I need D first) the order changes no match; it is fixed so that logs and graphs are stable. L rewrites D's and H's
+ops (and I's or the naive gather), so it comes after them and ``select`` refuses it without D and H; M rewrites B's op
+(a re-index layer's mask from candidate block ids -> candidate-only scoring) and needs B; T (the candidate source's
+block selection) reads B's scores output (or the naive scores) and nothing else's. N (each FP8 linear's fq8, weight
+dequant and GEMM -> one op) reads what the others leave of the linears' inputs; U (a layer's stream update and its MoE
+site's mixer reads of it -> one op) rewrites G's and J's ops, so it comes after both and needs them; R rewrites N's ops
+(linears that read one input with one act_block -> one fq8 op, the linears on its result with act_block -b: fq8 already)
+and needs N. O (the output head's fp32 GEMM) takes only a GEMM that is the graph's output, which no other pass's site
+is. P (the router's top-k) and Q (the dispatch's argsort and expert counts) replace values that other passes' ops only
+read (C's and I's ``order``, the GEMMs' ``offs`` from Q's counts). S (a compressor's fp32 GEMMs, bf16 operands, feeding
+its ``cat``) takes GEMMs that E (softplus), F (fp32 weights) and O (the graph's output) refuse. V (V4's Hadamard
+rotations) takes a matmul by a constant matrix, which no other pass's site is.
 
     manager = PassManager("all", strict=True, expected=expected_sites(cfg))
     manager.run(gm)                   # rewrites gm in place
@@ -57,6 +58,7 @@ from .rewrite_hc_expand import HCExpand
 from .rewrite_hc_expand_mix import HCExpandMix
 from .rewrite_hc_mix import HCMixTF32x3
 from .rewrite_hc_mix_fused import HCMixFused
+from .rewrite_hadamard import Hadamard
 from .rewrite_hc_sinkhorn import HCSinkhorn
 from .rewrite_head_logits import HeadLogits
 from .rewrite_indexer import IndexerTopK
@@ -80,7 +82,7 @@ REWRITES: tuple[type[Rewrite], ...] = (MoECombine, GateTF32x3, CompressorGemm, F
                                         IndexerTopK, HCMixTF32x3, HCMixFused, HCSinkhorn, HCExpand, HCExpandMix,
                                         MoEActivation,
                                         MoERowGather, FP8Experts, IndexerCandidates, CandidateBlocks, FP8LinearOp,
-                                        SharedFq8, HeadLogits, RowTopK, ExpertOrder)
+                                        SharedFq8, HeadLogits, RowTopK, ExpertOrder, Hadamard)
 BY_KEY: dict[str, type[Rewrite]] = {r.key: r for r in REWRITES}
 BY_NAME: dict[str, type[Rewrite]] = {r.name: r for r in REWRITES}
 

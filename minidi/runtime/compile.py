@@ -78,7 +78,8 @@ def expected_sites(cfg: ModelConfig, regional: bool = False) -> dict[str, list[i
     index-source layer's wq_b + indexer wq_b), none without; O: the output head's GEMM (site None), except with
     ``regional`` (the head graph has its own check: ``HEAD_PASSES``); P: every layer routed by score (the router's
     top-k; hash-routed layers have none); Q: every layer (the MoE dispatch's sort by expert); S: two per softmax-pooling
-    compressor a layer runs (its wkv and wgate GEMMs: ``compressor_gemms``). Only the selected passes are checked."""
+    compressor a layer runs (its wkv and wgate GEMMs: ``compressor_gemms``); V: V4's index-source layers twice with fake
+quant (the Hadamard rotations of the indexer's q and k), none in V4.1. Only the selected passes are checked."""
     layers = list(range(cfg.n_layers))
     head: list[int | None] = [] if (cfg.is_v41 or regional) else [None]
     return {
@@ -103,7 +104,14 @@ def expected_sites(cfg: ModelConfig, regional: bool = False) -> dict[str, list[i
         "P": [i for i in layers if not cfg.is_hash_layer(i)],
         "Q": layers,
         "S": [i for i in layers for _ in range(compressor_gemms(cfg, i))],
+        "V": [i for i in layers for _ in range(hadamard_sites(cfg, i))],
     }
+
+
+def hadamard_sites(cfg: ModelConfig, layer: int) -> int:
+    """Hadamard rotations of a layer (pass V's sites): V4's indexer rotates its q and its new keys before their fq4,
+    with fake quant on (``IndexerV4._quant``)."""
+    return 2 if (not cfg.is_v41 and cfg.fake_quant and cfg.is_index_source(layer)) else 0
 
 
 FRONT_PASSES = ("N",)  # the passes with a site in a regional step's Engram front graph (its wkv)

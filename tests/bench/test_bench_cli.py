@@ -16,7 +16,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 BENCHES = ("bench_prefill", "bench_fp4_grouped_gemm", "bench_fp8_grouped_gemm", "bench_hc_mix", "bench_hc_expand",
            "bench_ep_dispatch", "bench_indexer", "bench_moe_small_ops", "bench_sparse_attention", "bench_fp8_linear",
-           "bench_head_logits", "bench_fp8_gemm")
+           "bench_head_logits", "bench_fp8_gemm", "bench_hadamard")
 
 
 def _run(*cmd: str, timeout: int = 300) -> subprocess.CompletedProcess:

@@ -59,7 +59,7 @@ OP_TESTS = ("tests/ops/test_fp4_grouped_gemm.py", "tests/ops/test_indexer_score.
             "tests/ops/test_fp4_grouped_gemm_sm90.py", "tests/ops/test_rotated_rows.py",
             "tests/ops/test_head_logits.py", "tests/ops/test_row_topk.py", "tests/ops/test_expert_order.py",
             "tests/ops/test_fq8.py", "tests/ops/test_moe_gather.py", "tests/ops/test_candidate_blocks.py",
-            "tests/ops/test_hc_expand_mix.py")
+            "tests/ops/test_hc_expand_mix.py", "tests/ops/test_hadamard.py")
 PER_KERNEL = 12  # specialisations kept per kernel: the first of each variant (its bool / small-int constexprs)
 
 

@@ -145,9 +145,9 @@ print(json.dumps({
 COUNTS = {  # every site of the config (as tests/passes/test_models.py; strict mode checks the layers too)
     "tiny-v41": {"C": 10, "E": 10, "D": 30, "A": 10, "B": 4, "F": 20, "J": 20, "K": 20, "G": 20, "H": 10, "I": 10,
                  "L": 0, "M": 1, "T": 1, "N": 86, "R": 0, "O": 1, "P": 10, "Q": 10,
-                 "S": 4},  # L, R: fake quant off here
+                 "S": 4, "V": 0},  # L, R: fake quant off here
     "tiny-v4": {"C": 4, "E": 4, "D": 12, "A": 4, "B": 2, "F": 9, "J": 9, "K": 8, "G": 8, "H": 4, "I": 4, "L": 0,
-                "M": 0, "T": 0, "N": 34, "R": 0, "O": 1, "P": 3, "Q": 4, "S": 10},  # P: one hash-routed layer
+                "M": 0, "T": 0, "N": 34, "R": 0, "O": 1, "P": 3, "Q": 4, "S": 10, "V": 0},  # P: one hash-routed layer
 }
 _DEFAULT = inspect.signature(minidi.compile).parameters["op_backend"].default
 

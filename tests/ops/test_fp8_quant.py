@@ -44,7 +44,7 @@ def test_matches_the_format_bit_for_bit(device, shape, block, dtype):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("rows,k,block", [(13, 512, 128), (4, 96, 32), (0, 256, 128)])
+@pytest.mark.parametrize("rows,k,block", [(13, 512, 128), (70, 128, 32), (4, 96, 32), (0, 256, 128)])
 def test_scales_in_m_major_order_are_the_same_values(device, rows, k, block):
     """``fq8_split_launch(..., scales_t=True)`` (cuBLAS's activation-scale layout): the same e4m3 bytes and scales,
     the scales an [R, K / block] view with strides (1, R) of a [K / block, R] tensor."""

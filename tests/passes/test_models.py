@@ -58,11 +58,12 @@ def test_every_site_matched(compiled):
         assert compiled.manager.counts == {"C": 10, "E": 10, "D": 30, "A": 10, "B": 4, "F": 20, "J": 20, "K": 20,
                                            "G": 20, "U": 10, "H": 10, "I": 10, "L": 0,
                                            "M": 1, "T": 1, "N": 86, "R": 0, "O": 1, "P": 10, "Q": 10,
-                                           "S": 4}  # L, R: fake quant off; S: 2 ratio-2 kv sources
+                                           "S": 4, "V": 0}  # L, R: fake quant off; S: 2 ratio-2 kv sources
     else:  # F, J: two mixers per layer + V4's hc_head
         assert compiled.manager.counts == {"C": 4, "E": 4, "D": 12, "A": 4, "B": 2, "F": 9, "J": 9, "K": 8, "G": 8,
                                            "U": 4, "H": 4, "I": 4, "L": 0, "M": 0, "T": 0, "N": 34, "R": 0, "O": 1,
-                                           "P": 3, "Q": 4, "S": 10}  # P: layer 0 is hash-routed; L, R: fake quant off
+                                           "P": 3, "Q": 4, "S": 10, "V": 0}  # P: layer 0 is hash-routed; L, R, V:
+        # fake quant off
 
 
 def test_logits_equal_uncompiled(compiled):
@@ -238,7 +239,7 @@ def test_second_tiny_config_counts_traced():
     want = {k: len(v) for k, v in expected_sites(model.cfg).items()}
     assert trace_counts(model, 24) == want == {"A": 8, "B": 3, "C": 8, "D": 24, "E": 8, "F": 16, "J": 16, "K": 16,
                                                 "G": 16, "U": 8, "H": 8, "I": 8, "L": 0, "M": 1, "T": 1,
-                                                "N": 68, "R": 0, "O": 1, "P": 8, "Q": 8, "S": 2}
+                                                "N": 68, "R": 0, "O": 1, "P": 8, "Q": 8, "S": 2, "V": 0}
 
 
 def test_production_settings_counts_traced():

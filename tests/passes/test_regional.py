@@ -89,7 +89,7 @@ def test_counts_sum_over_layers(regional):
     assert regional.step.counts == want == {"A": 10, "B": 4, "C": 10, "D": 30, "E": 10, "F": 20, "J": 20,
                                                     "K": 20, "G": 20, "U": 10, "H": 10, "I": 10, "L": 0,
                                                     "M": 1, "T": 1, "N": 84, "R": 0, "O": 1, "P": 10, "Q": 10,
-                                                    "S": 4}  # N: the 2 Engram wkv in the fronts
+                                                    "S": 4, "V": 0}  # N: the 2 Engram wkv in the fronts
     for i, counts in regional.manager.layer_counts.items():  # each graph: the sites of its own layer
         assert counts == {k: v.count(i) for k, v in expected_sites(regional.cfg, regional=True).items()}, i
 

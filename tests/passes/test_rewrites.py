@@ -595,7 +595,7 @@ def test_pass_selection_and_uuid():
     from minidi.passes import PassManager, select
 
     assert select("all") == ["C", "E", "S", "D", "A", "B", "F", "J", "K", "G", "H", "I", "L", "M", "T", "N", "R", "O",
-                             "P", "Q"]  # U: opt-in
+                             "P", "Q", "V"]  # U: opt-in
     assert select("all,U") == select("all")[:10] + ["U"] + select("all")[10:]
     assert select("none") == [] and select(None) == []
     assert select("B,a") == ["A", "B"] and select(["moe_combine", "E"]) == ["C", "E"]

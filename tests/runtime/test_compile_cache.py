@@ -190,7 +190,7 @@ def test_save_then_warm_start_in_fresh_processes(tmp_path):
     assert cold["cache"]["artifact_bytes"] > 0 and "compile cache saved" in cold["log"]
     assert "compiled in worker 0" in cold["log"] and "compile workers' artifact sets" in cold["log"]
     assert cold["counts"] == {"A": 1, "B": 0, "C": 1, "D": 3, "E": 1, "F": 2, "J": 2, "K": 2, "G": 2, "H": 1,
-                              "I": 1, "L": 2, "M": 0, "T": 0, "N": 8, "R": 2, "O": 1, "P": 1, "Q": 1, "S": 0}
+                              "I": 1, "L": 2, "M": 0, "T": 0, "N": 8, "R": 2, "O": 1, "P": 1, "Q": 1, "S": 0, "V": 0}
     # a fresh process and an empty Inductor folder: everything it skips comes from the saved entry
     warm = run_child(tmp_path, "warm", "inductor_b")
     assert warm["cache"]["status"] == "hit" and not warm["cache"]["saved"], warm["cache"]

@@ -1,0 +1,121 @@
+"""V: the Hadamard rotation of V4's indexer q and k (``minidi.model.quant.hadamard``) on tensor cores.
+
+    y = hadamard_rotate(x)     # x [..., n] bf16 / fp16, n a power of two in [16, 256] -> [..., n] in x's dtype
+    # = the model's (x.float() @ hadamard_matrix(n)).to(x.dtype): fp32 math, one rounding
+
+Why: the model's fp32 matmul runs on CUDA cores (TF32 is off). In the V4-Flash EP4 step (H100, round 34) its 21
+launches took 5.09 ms a step at 35 TFLOP/s (``sm80_xmma_gemm_f32f32...``; q's rotation, [4,096 x 64, 128] x
+[128, 128]), for a product that moves 67 MB in and out.
+
+How: hadamard_matrix(n) = c S with S's entries +-1 (exact in bf16 and fp16) and c = 1 / sqrt(n) rounded to fp32 (the
+model's entries are +-c). x S has exact products, so one dot on the tensor cores with fp32 accumulation computes it;
+the kernel multiplies by c in fp32 and rounds once to x's dtype. The model's matmul adds the products x_i * (+-c)
+with fp32 FMAs instead: the two differ by fp32 roundings in another order and place, before the one rounding to x's
+dtype (tests: within that rounding plus 2^-20 of c sum |x_i| of the exact product, on the interpreter and the GPU).
+
+Kernel ``_hadamard_kernel``: one program per BM rows, [BM, n] x [n, n] in one ``tl.dot``; memory-bound (reads and
+writes 2 n bytes a row). S is built once per (n, dtype, device). fp32 x (fp32 models) runs the reference.
+
+Legend: M rows (x flattened to [M, n]), n the rotated width, BM rows per program.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from minidi.formats import hadamard, hadamard_matrix
+
+from ._triton_utils import cannot_run, dot, interpreting, resolve_backend, round_bf16, triton_can_run
+
+KERNEL_DTYPES = (torch.bfloat16, torch.float16)  # S and x S exact in one dot
+X_DTYPES = (*KERNEL_DTYPES, torch.float32)
+MIN_N, MAX_N = 16, 256
+
+
+# ---- reference -----------------------------------------------------------------------------------------------------
+def hadamard_ref(x: torch.Tensor) -> torch.Tensor:
+    """The model's rotation, plain torch (``minidi.formats.hadamard``): (x.float() @ hadamard_matrix(n)).to(x.dtype)."""
+    return hadamard(x)
+
+
+def scale_of(n: int) -> float:
+    """c: the model's matrix entries' magnitude, 1 / sqrt(n) as the fp32 division ``hadamard_matrix`` does."""
+    return float(torch.ones((), dtype=torch.float32) / math.sqrt(n))
+
+
+@functools.lru_cache(maxsize=None)
+def signs(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """S [n, n] (+-1, Sylvester order, symmetric) in ``dtype`` on ``device``: hadamard_matrix(n) / c."""
+    return (hadamard_matrix(n) * math.sqrt(n)).round().to(dtype).to(device)
+
+
+# ---- kernel --------------------------------------------------------------------------------------------------------
+@triton.jit
+def _hadamard_kernel(x_ptr, s_ptr, out_ptr, M, scale, N: tl.constexpr, BM: tl.constexpr, INTERPRET: tl.constexpr,
+                     ROUND_BF16: tl.constexpr):
+    rm = tl.program_id(0).to(tl.int64) * BM + tl.arange(0, BM)
+    rn = tl.arange(0, N)
+    ok = (rm < M)[:, None]
+    offs = rm[:, None] * N + rn[None, :]
+    x = tl.load(x_ptr + offs, mask=ok, other=0.0)  # [BM, N]
+    s = tl.load(s_ptr + rn[:, None] * N + rn[None, :])  # [N, N] +-1
+    y = dot(x, s, tl.zeros([BM, N], dtype=tl.float32), INTERPRET) * scale
+    if ROUND_BF16:  # the interpreter's fp32 -> bf16 cast truncates; the GPU's rounds to nearest
+        y = round_bf16(y)
+    tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def launch(x: torch.Tensor, out: torch.Tensor, BM: int = 64, num_warps: int = 4) -> torch.Tensor:
+    """The kernel on a contiguous x [M, n] (a kernel dtype) into out [M, n] (same dtype); the tile overrides the
+    default (benchmarks)."""
+    m, n = x.shape
+    if m:
+        _hadamard_kernel[(triton.cdiv(m, BM),)](
+            x, signs(n, x.dtype, x.device), out, m, scale_of(n), N=n, BM=BM, INTERPRET=interpreting(),
+            ROUND_BF16=interpreting() and x.dtype == torch.bfloat16, num_warps=num_warps)
+    return out
+
+
+# ---- custom op -----------------------------------------------------------------------------------------------------
+@torch.library.custom_op("minidi::hadamard_rotate", mutates_args=())
+def _hadamard_op(x: torch.Tensor) -> torch.Tensor:
+    if not triton_can_run(x):
+        raise cannot_run("minidi::hadamard_rotate", x)
+    x2 = x.contiguous().view(-1, x.shape[-1])
+    return launch(x2, torch.empty_like(x2)).view(x.shape)
+
+
+@_hadamard_op.register_fake
+def _(x):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+def check_args(op: str, x: torch.Tensor) -> None:
+    """x [..., n] of a dtype in ``X_DTYPES``, n a power of two in [MIN_N, MAX_N]; else a ValueError naming ``op``."""
+    if x.dim() < 1 or x.dtype not in X_DTYPES:
+        raise ValueError(f"{op}: x must be [..., n] with dtype in {X_DTYPES}, got {tuple(x.shape)} {x.dtype}")
+    n = x.shape[-1]
+    if not (MIN_N <= n <= MAX_N and n & (n - 1) == 0):
+        raise ValueError(f"{op}: the rotated width n must be a power of two in [{MIN_N}, {MAX_N}], got {n}")
+
+
+def hadamard_rotate(x: torch.Tensor, backend: str = "auto") -> torch.Tensor:
+    """x [..., n] -> the model's Hadamard rotation of the last dim in x's dtype (see the module doc). ``backend``:
+    "auto" (the kernel where it can run and x is bf16 / fp16, else the reference), "triton" or "ref"."""
+    check_args("hadamard_rotate", x)
+    if resolve_backend(backend, "hadamard_rotate", x) == "ref":
+        return hadamard_ref(x)
+    if x.dtype not in KERNEL_DTYPES:
+        if backend == "triton":
+            raise ValueError(f"hadamard_rotate: backend='triton' has no kernel for {x.dtype} x (bf16 / fp16 only: "
+                             "S x is then exact in one dot); backend='auto' runs the reference")
+        return hadamard_ref(x)
+    return _hadamard_op(x)
+
+
+__all__ = ["hadamard_ref", "hadamard_rotate", "launch", "scale_of", "signs"]
