@@ -59,7 +59,7 @@ RANGE_CAT = "user_annotation"
 OP_STAGE = {
     "minidi::sparse_attention": "attn.core",
     **{f"minidi::{op}": "indexer" for op in ("indexer_score", "indexer_score_fp8", "indexer_topk_candidates",
-                                             "topk_indices", "rebase_e4m3", "candidate_blocks")},
+                                             "topk_indices", "rebase_e4m3", "candidate_blocks", "hadamard_rotate")},
     **{f"minidi::{op}": "moe" for op in ("moe_combine", "moe_activation", "moe_activation_fp8", "gather_rows",
                                          "gather_rows_fq8", "fp4_grouped_mm", "fp4_grouped_mm_ref",
                                          "fp8_fp4_grouped_mm", "fp8_fp4_grouped_mm_ref", "fq8_split",

@@ -19,8 +19,6 @@ docstring and ``tests/test_formats.py`` / the op tests hold it equal to the func
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 E4M3_MAX = 448.0  # largest finite float8_e4m3fn
@@ -120,7 +118,7 @@ def hadamard_matrix(n: int, device: torch.device | str = "cpu") -> torch.Tensor:
     h = torch.ones(1, 1, device=device)
     while h.shape[0] < n:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    return h / math.sqrt(n)
+    return h / n**0.5  # (n**0.5 is math.sqrt(n) bit for bit at powers of two; this leaf imports torch only)
 
 
 def hadamard(x: torch.Tensor) -> torch.Tensor:

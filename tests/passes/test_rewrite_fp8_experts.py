@@ -116,4 +116,4 @@ def test_select_refuses_l_without_the_passes_it_rewrites():
         select("L")
     with pytest.raises(ValueError, match=r"passes H \(moe_activation\)"):
         select("D,I,L")
-    assert select("all")[-8:] == ["L", "M", "T", "N", "R", "O", "P", "Q"] and select("D,H,L") == ["D", "H", "L"]
+    assert select("all")[-9:] == ["L", "M", "T", "N", "R", "O", "P", "Q", "V"] and select("D,H,L") == ["D", "H", "L"]
