@@ -291,6 +291,13 @@ def _moe_combine(c: Call) -> dict[str, Work]:
             "_combine_kernel": Work(combine, basis=c.local_basis)}
 
 
+def _hadamard(c: Call) -> dict[str, Work]:
+    """x [..., n] -> y (x's dtype): x read, y written, the +-1 signs [n, n] (x's dtype) read once."""
+    x = c.t(0)
+    n = x.dims[-1]
+    return {"_hadamard_kernel": Work(2 * _size(x) + n * n * x.dtype.itemsize)}
+
+
 def _candidate_blocks(c: Call) -> dict[str, Work]:
     """scores [T, N], k_start, k_end [T], keep, block -> block maxima [T, NB] fp32; the selection (rows of at most
     ``MAX_REGISTER_NB`` blocks) reads them (again after its bisection: from L2) and writes ids [T, min(keep, NB)]."""
@@ -314,6 +321,7 @@ KERNELS: dict[str, Callable[[Call], dict[str, Work]]] = {
     "minidi::fp8_linear": _fp8_linear,
     "minidi::fp8_grouped_linear": _fp8_grouped_linear,
     "minidi::gate_tf32x3": _gate,
+    "minidi::hadamard_rotate": _hadamard,
     "minidi::head_logits": _head_logits,
     "minidi::row_topk": _row_topk,
     "minidi::expert_order": _expert_order,

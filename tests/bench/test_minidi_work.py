@@ -15,9 +15,9 @@ from triton.runtime import interpreter
 
 from bench import minidi_work
 from bench.kernel_table import kernel_table
-from minidi.ops import (candidate_blocks, expert_order, fp8_linear, fp8_quant, fq8, gate_tf32x3, hc_expand,
-                        hc_expand_mix, hc_mix, hc_sinkhorn, head_logits, moe_activation, moe_combine, moe_gather,
-                        row_topk, sparse_attention)
+from minidi.ops import (candidate_blocks, expert_order, fp8_linear, fp8_quant, fq8, gate_tf32x3, hadamard,
+                        hc_expand, hc_expand_mix, hc_mix, hc_sinkhorn, head_logits, moe_activation, moe_combine,
+                        moe_gather, row_topk, sparse_attention)
 from minidi.runtime.expert_parallel import rotated_blocks
 
 def _gen(seed: int = 0) -> torch.Generator:
@@ -104,6 +104,7 @@ WHOLE = {  # op -> a call of it (kernels of one call)
     "minidi::expert_order": lambda: expert_order.expert_order(torch.randint(0, 6, (150,), generator=_gen()), 6,
                                                               backend="triton"),  # 3 chunks on the CPU
     "minidi::rotated_blocks": lambda: rotated_blocks(_bf16(6, 10), 4),
+    "minidi::hadamard_rotate": lambda: hadamard.hadamard_rotate(_bf16(70, 2, 64), backend="triton"),
     "minidi::sparse_attention": lambda: sparse_attention.sparse_attention(*_sparse_attention_args(), backend="triton"),
     "minidi::candidate_blocks": lambda: candidate_blocks.candidate_blocks(
         torch.randn(4, 37, generator=_gen()), torch.tensor([0, 2, 0, 5]), torch.tensor([37, 30, 9, 5]), 3, 4,
