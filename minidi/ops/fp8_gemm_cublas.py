@@ -54,12 +54,16 @@ def can_run(q: torch.Tensor, w: torch.Tensor) -> bool:
         return False
     if not shape_ok(q.shape[0], w.shape[0], q.shape[1]):
         return False
-    if torch.cuda.is_current_stream_capturing() and q.device.index not in _probed:
+    if torch.cuda.is_current_stream_capturing() and _index(q.device) not in _probed:
         return False  # (no probe inside a capture)
     return probe_failure(q.device) is None
 
 
 _probed: set[int] = set()
+
+
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 @functools.lru_cache(maxsize=None)
@@ -91,7 +95,7 @@ def probe_on(device: torch.device) -> str | None:
 def probe_failure(device: torch.device) -> str | None:
     """None where this torch's block-scaled ``_scaled_mm`` gave the right product on ``device`` (checked once),
     else why not (warned once)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = _index(device)
     fresh = index not in _probed
     _probed.add(index)
     why = _probe(index)

@@ -33,8 +33,8 @@ input, e4m3 x e4m3 products with each 128-block promoted in fp32: the model's pr
 where that kernel can run (sm_90, Triton 3.6), or on cuBLAS's block-scaled GEMM (``fp8_gemm_cublas``, the same
 semantics, on the H100 the same error as the Gluon kernel at V4-Flash's shapes and 0.99-1.40x its speed; round 34)
 where its shape rules hold and ``MINIDI_FP8_GEMM_LIB`` is "auto" (the default; "gluon": the Gluon kernel
-always); other linears (V4.1's 32-blocks) keep the bf16 GEMM above. "all" also
-takes 32-blocks, slower than bf16 in round 27; "off" keeps the bf16 GEMM everywhere. The FP8 route keeps no bf16
+always); other linears (V4.1's 32-blocks) keep the bf16 GEMM above. "all" also takes 32-blocks, slower than bf16 in
+round 27; "off" keeps the bf16 GEMM everywhere. The FP8 route keeps no bf16
 weight copy (the weights' E8M0 scales, transposed for the kernel, are kept per weight). Judged at full size on one
 H100 (round 30, V4-Flash EP4, ``docs/benchmarks``): per layer compiled-vs-eager error 0.99x (median) / 1.07x (max)
 the bf16 GEMM's, the step 372.4 ms against 377.6 with "off", 2.69 GiB of bf16 weight copies kept against 10.91.
@@ -188,16 +188,16 @@ def fp8_gemm_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, 
     runs; else ``fp8_gemm_sm90``), out in x's dtype."""
     from . import fp8_gemm_cublas as cublas
     from .fp8_gemm_sm90 import fp8_gemm_sm90, weight_scale_t
-    from .fp8_quant import fq8_split, fq8_split_launch
+    from .fp8_quant import fq8_split_launch
 
     x2 = x.reshape(-1, x.shape[-1])
-    if block == cublas.BLOCK and fp8_gemm_lib() == "auto" and cublas.can_run(x2, weight):
-        q, s = fq8_split_launch(x2, block, scales_t=True)
+    on_cublas = block == cublas.BLOCK and fp8_gemm_lib() == "auto" and cublas.can_run(x2, weight)
+    q, s = fq8_split_launch(x2, block, scales_t=on_cublas)  # (M-major scales for cuBLAS)
+    if on_cublas:
         sw = cached_per_tensor("fp8_linear weight_scale fp32", weight, lambda _: cublas.weight_scales(scale),
                                also=(scale,))
         y = cublas.fp8_gemm_cublas(q, s, weight, sw, x.dtype)
         return y.view(*x.shape[:-1], weight.shape[0])
-    q, s = fq8_split(x2, block, backend="triton")
     scale_t = cached_per_tensor(f"fp8_linear weight_scale_t {block}", weight, lambda _: weight_scale_t(scale),
                                 also=(scale,))  # keyed on the weight: the op gets a new view of its scale each call
     y = fp8_gemm_sm90(q, s, weight, scale, block, out_dtype=x.dtype, w_scale_t=scale_t)
@@ -325,8 +325,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, weigh
     -> [..., N] in x's dtype, equal bit for bit to ``F.linear(fq8(x, act_block), dequant_fp8(weight, scale,
     weight_block, x.dtype))`` on finite inputs (see the module doc). ``backend``: "auto" | "triton" | "ref"."""
     _check(x, weight, scale, weight_block, act_block)
-    fp8_gemm_blocks()  # a bad MINIDI_FP8_GEMM (or _LIB) fails on every backend, not only where the route is
-    fp8_gemm_lib()  # looked at
+    fp8_gemm_blocks()  # a bad MINIDI_FP8_GEMM or MINIDI_FP8_GEMM_LIB fails on every backend, not only where the
+    fp8_gemm_lib()  # route is looked at
     scale = scale.view(torch.uint8)
     if resolve_backend(backend, "fp8_linear", x, weight, scale) == "ref":
         return _fp8_linear_ref_op(x, weight, scale, weight_block, act_block)

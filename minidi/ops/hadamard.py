@@ -101,12 +101,17 @@ def _(x):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
+def width_ok(n: int) -> bool:
+    """The widths the kernel rotates: a power of two in [MIN_N, MAX_N]."""
+    return MIN_N <= n <= MAX_N and n & (n - 1) == 0
+
+
 def check_args(op: str, x: torch.Tensor) -> None:
     """x [..., n] of a dtype in ``X_DTYPES``, n a power of two in [MIN_N, MAX_N]; else a ValueError naming ``op``."""
     if x.dim() < 1 or x.dtype not in X_DTYPES:
         raise ValueError(f"{op}: x must be [..., n] with dtype in {X_DTYPES}, got {tuple(x.shape)} {x.dtype}")
     n = x.shape[-1]
-    if not (MIN_N <= n <= MAX_N and n & (n - 1) == 0):
+    if not width_ok(n):
         raise ValueError(f"{op}: the rotated width n must be a power of two in [{MIN_N}, {MAX_N}], got {n}")
 
 
@@ -124,4 +129,4 @@ def hadamard_rotate(x: torch.Tensor, backend: str = "auto") -> torch.Tensor:
     return _hadamard_op(x)
 
 
-__all__ = ["hadamard_ref", "hadamard_rotate", "launch", "scale_of", "signs"]
+__all__ = ["hadamard_ref", "hadamard_rotate", "launch", "scale_of", "signs", "width_ok"]

@@ -22,7 +22,7 @@ from torch.fx import Node
 from torch.fx.node import map_arg
 
 from minidi.formats import hadamard_matrix
-from minidi.ops.hadamard import KERNEL_DTYPES, MAX_N, MIN_N, hadamard_rotate
+from minidi.ops.hadamard import KERNEL_DTYPES, hadamard_rotate, width_ok
 
 from .base import Match, Rewrite
 from .fx_utils import dtype, is_call, n_args, val
@@ -88,9 +88,7 @@ class Hadamard(Rewrite):
             return None
         x = xf.args[0]
         n = val(x).shape[-1] if isinstance(val(x), torch.Tensor) else None
-        if dtype(x) not in KERNEL_DTYPES or out_dtype != dtype(x) or n is None:
-            return None
-        if not MIN_N <= n <= MAX_N or n & (n - 1):
+        if dtype(x) not in KERNEL_DTYPES or out_dtype != dtype(x) or n is None or not width_ok(n):
             return None
         consts = _is_hadamard(h, n)
         if consts is None:

@@ -78,8 +78,8 @@ def expected_sites(cfg: ModelConfig, regional: bool = False) -> dict[str, list[i
     index-source layer's wq_b + indexer wq_b), none without; O: the output head's GEMM (site None), except with
     ``regional`` (the head graph has its own check: ``HEAD_PASSES``); P: every layer routed by score (the router's
     top-k; hash-routed layers have none); Q: every layer (the MoE dispatch's sort by expert); S: two per softmax-pooling
-    compressor a layer runs (its wkv and wgate GEMMs: ``compressor_gemms``); V: V4's index-source layers twice with fake
-quant (the Hadamard rotations of the indexer's q and k), none in V4.1. Only the selected passes are checked."""
+    compressor a layer runs (its wkv and wgate GEMMs: ``compressor_gemms``); V: V4's index-source layers twice with
+    fake quant (the Hadamard rotations of the indexer's q and k), none in V4.1. Only the selected passes are checked."""
     layers = list(range(cfg.n_layers))
     head: list[int | None] = [] if (cfg.is_v41 or regional) else [None]
     return {
