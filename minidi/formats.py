@@ -88,6 +88,26 @@ def fq8_split(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 # ---- FP4 (e2m1) ----------------------------------------------------------------------------------------------------
+def round_e2m1(x: torch.Tensor) -> torch.Tensor:
+    """Round fp32 values with |x| <= 6 to the e2m1 grid, ties to the even code (0.25->0, 0.75->1, 2.5->2, 5->4)."""
+    a = x.abs()
+    q = torch.where(a < 2.0, torch.round(a * 2.0) * 0.5,
+                    torch.where(a < 4.0, torch.round(a), torch.round(a * 0.5) * 2.0))
+    return torch.copysign(q, x)
+
+
+def fq4_ue8m0(x: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """e2m1 fake-quant per ``block`` channels, power-of-two scale 2^ceil(log2(max(amax, 6*2^-126)/6)).
+
+    Pass V (``minidi/passes/patterns.py``: ``fq4_ue8m0_input``) recognises exactly this sequence of torch calls in
+    the traced model where it follows the Hadamard rotation: change it and that matcher together."""
+    if x.shape[-1] % block:
+        raise ValueError(f"fake-quant: last dim {x.shape[-1]} is not a multiple of block {block}")
+    g = x.float().unflatten(-1, (x.shape[-1] // block, block))
+    s = pow2_ceil(g.abs().amax(-1, keepdim=True).clamp_min(E2M1_MAX * 2.0**-126) / E2M1_MAX)
+    return (round_e2m1((g / s).clamp(-E2M1_MAX, E2M1_MAX)) * s).flatten(-2).to(x.dtype)
+
+
 def e2m1_grid(device: torch.device | str = "cpu") -> torch.Tensor:
     """Value of each 4-bit code 0..15, fp32 [16]."""
     g = torch.tensor(E2M1_GRID, dtype=torch.float32, device=device)

@@ -18,8 +18,8 @@ import torch
 # The formats themselves (E8M0 / e2m1 decode, the grids, the e4m3 max) live in the leaf module minidi.formats, shared
 # with the ops' references; re-exported here for the model's modules.
 from minidi.formats import (E2M1_GRID, E2M1_MAX, E4M3_MAX, dequant_fp4, dequant_fp8, e2m1_grid,  # noqa: F401
-                            e8m0_to_float, expand_tiles, float_to_e8m0, hadamard, hadamard_matrix, pow2_ceil,
-                            unpack_fp4_codes)
+                            e8m0_to_float, expand_tiles, float_to_e8m0, fq4_ue8m0, hadamard, hadamard_matrix,
+                            pow2_ceil, round_e2m1, unpack_fp4_codes)
 
 
 # ---- FP8 block weights ---------------------------------------------------------------------------------------------
@@ -36,14 +36,6 @@ def quantize_fp8(w: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tenso
 
 
 # ---- FP4 (e2m1) --------------------------------------------------------------------------------------------------
-def round_e2m1(x: torch.Tensor) -> torch.Tensor:
-    """Round fp32 values with |x| <= 6 to the e2m1 grid, ties to the even code (0.25->0, 0.75->1, 2.5->2, 5->4)."""
-    a = x.abs()
-    q = torch.where(a < 2.0, torch.round(a * 2.0) * 0.5,
-                    torch.where(a < 4.0, torch.round(a), torch.round(a * 0.5) * 2.0))
-    return torch.copysign(q, x)
-
-
 def e2m1_codes(x: torch.Tensor) -> torch.Tensor:
     """Values already on the e2m1 grid (fp32) -> codes 0..15 (uint8)."""
     a = x.abs()
@@ -76,13 +68,6 @@ def fq8(x: torch.Tensor, block: int) -> torch.Tensor:
     s = pow2_ceil(g.abs().amax(-1, keepdim=True).clamp_min(1e-4) / E4M3_MAX)
     q = (g / s).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).float() * s
     return q.flatten(-2).to(x.dtype)
-
-
-def fq4_ue8m0(x: torch.Tensor, block: int = 32) -> torch.Tensor:
-    """e2m1 fake-quant per ``block`` channels, power-of-two scale 2^ceil(log2(max(amax, 6*2^-126)/6))."""
-    g = _blocks(x, block)
-    s = pow2_ceil(g.abs().amax(-1, keepdim=True).clamp_min(E2M1_MAX * 2.0**-126) / E2M1_MAX)
-    return (round_e2m1((g / s).clamp(-E2M1_MAX, E2M1_MAX)) * s).flatten(-2).to(x.dtype)
 
 
 def fq4_e4m3(x: torch.Tensor, block: int = 16) -> torch.Tensor:

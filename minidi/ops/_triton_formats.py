@@ -1,9 +1,10 @@
 """Triton twins of ``minidi.formats`` (a kernel cannot call torch), shared by the ops that quantise or decode:
 ``moe_activation.py`` (fq8 in the epilogue, or its e4m3 bytes and scales), ``fp8_quant.py`` (fq8_split),
 ``indexer_fp8_quant.py`` (e4m3 bytes in the interpreter), ``fp8_linear.py`` (fq8 in x's dtype, e4m3 weight bytes
-decoded), ``fp4_grouped_gemm.py`` and ``fp8_grouped_gemm.py`` (E8M0 weight scales). The op tests hold each equal
-to its torch original (test_moe_activation.py::test_pow2_ceil_twin and its e4m3 grid test, test_fp4_grouped_gemm.py::
-test_decode_matches_formats, test_fp8_quant.py, test_fp8_linear.py: every e4m3 byte)."""
+decoded), ``fp4_grouped_gemm.py`` and ``fp8_grouped_gemm.py`` (E8M0 weight scales), ``hadamard.py`` (fq4_ue8m0 in
+the epilogue). The op tests hold each equal to its torch original (test_moe_activation.py::test_pow2_ceil_twin and its
+e4m3 grid test, test_fp4_grouped_gemm.py::test_decode_matches_formats, test_fp8_quant.py, test_fp8_linear.py: every
+e4m3 byte; test_hadamard.py: fq4_ue8m0 on every e2m1 rounding boundary)."""
 
 from __future__ import annotations
 
@@ -63,3 +64,28 @@ def e8m0_to_fp32(b):
     """E8M0 codes (any int dtype) -> fp32 2^(b-127); 0 -> 2^-127 (subnormal), 255 -> NaN: ``e8m0_to_float``."""
     b = b.to(tl.int32)
     return tl.where(b == 0, 0x00400000, tl.where(b == 255, 0x7FC00000, b << 23)).to(tl.float32, bitcast=True)
+
+
+_FQ4_AMAX_FLOOR = tl.constexpr(6.0 * 2.0**-126)  # formats.fq4_ue8m0's floor: E2M1_MAX * 2^-126
+_RINT = tl.constexpr(12582912.0)  # 1.5 * 2^23: (w + _RINT) - _RINT rounds 0 <= w < 2^22 to an integer, ties to even
+
+
+@triton.jit
+def fq4_ue8m0_rows(g):
+    """fq4_ue8m0 of each row of g [R, BLOCK] fp32 (a row is one block), in fp32: ``minidi.formats.fq4_ue8m0``, exact
+    on finite rows. s = pow2_ceil(max(amax, 6 * 2^-126) / 6) (the division correctly rounded, as torch's), the
+    quotient g / s clamped to +-6 (a product with the exact 1 / s: s is a power of two in [2^-126, 2^126]), rounded to
+    the e2m1 grid as ``round_e2m1`` (steps 0.5 / 1 / 2 below 2 / 4 / 6, ties to even by the fp32 adder), the sign
+    kept (-0 too), times s. A row holding a NaN or an infinity comes out all NaN (the model's result there is
+    whatever its bit arithmetic makes of the NaN scale)."""
+    a = tl.abs(g)
+    bad = tl.max(((a != a) | (a == float("inf"))).to(tl.int32), 1) > 0
+    amax = tl.maximum(tl.max(tl.where(a == a, a, 0.0), 1), _FQ4_AMAX_FLOOR)
+    s = pow2_ceil(tl.div_rn(amax, 6.0))  # [R]
+    inv = ((254 - ((s.to(tl.int32, bitcast=True) >> 23) & 0xFF)) << 23).to(tl.float32, bitcast=True)  # 1 / s
+    v = tl.minimum(tl.maximum(g * inv[:, None], -6.0), 6.0)
+    av = tl.abs(v)
+    q = tl.where(av < 2.0, ((av * 2.0 + _RINT) - _RINT) * 0.5,
+                 tl.where(av < 4.0, (av + _RINT) - _RINT, ((av * 0.5 + _RINT) - _RINT) * 2.0))
+    q = (q.to(tl.int32, bitcast=True) | ((v.to(tl.int32, bitcast=True) >> 31) << 31)).to(tl.float32, bitcast=True)
+    return tl.where(bad[:, None], float("nan"), q * s[:, None])

@@ -9,7 +9,8 @@ the passes stay one row of peers (``fx_utils`` < ``patterns`` < ``rewrite_*`` < 
   ``fp4_grouped_mm`` (passes H and I, which run after D).
 - ``row_gather``: ``x[idx]``, the MoE dispatch gather (pass I, and pass L's naive form of it).
 - ``fq8_input``: the model's ``quant.fq8(x, block)`` as Dynamo records it (pass H's activation, pass L's expert
-  inputs, pass N's linear inputs).
+  inputs, pass N's linear inputs); ``fq4_ue8m0_input``: ``formats.fq4_ue8m0(x, block)`` (pass V's fused fq4), the
+  same power-of-two scale chain with the e2m1 constants.
 - ``topk_set_call``: ``minidi.selection.topk_set`` inlined (pass B's top-k, and inside pass P's
   ``topk_lowest_index``).
 - ``fp8_weight_dequant``: the model's ``formats.dequant_fp8(weight, scale, block, dtype)`` (pass N's weights), and
@@ -23,7 +24,7 @@ import math
 import torch
 from torch.fx import Node
 
-from minidi.formats import E4M3_MAX, E8M0_MIN_BITS, E8M0_NAN_BITS
+from minidi.formats import E2M1_MAX, E4M3_MAX, E8M0_MIN_BITS, E8M0_NAN_BITS, FQ8_AMAX_FLOOR
 from minidi.ops.fp4_grouped_gemm import fp4_grouped_mm
 from minidi.ops.moe_gather import IDX_DTYPES, X_DTYPES
 
@@ -104,26 +105,101 @@ def fq8_input(node: Node) -> tuple[Node, int, set[Node]] | None:
     if not (method_call(clamp, "clamp", -E4M3_MAX, E4M3_MAX) and is_call(clamp.args[0], "truediv")):
         return None
     g, s2 = clamp.args[0].args
+    blocks = _float_blocks(g, s2, s, FQ8_AMAX_FLOOR, E4M3_MAX)
+    if blocks is None:
+        return None
+    x, block, chain = blocks
+    nodes = {node, flat, q, deq, deq.args[0], clamp, clamp.args[0]} | chain
+    if not all(only_users(n, nodes) for n in nodes - {node}):
+        return None
+    return x, block, nodes
+
+
+def _float_blocks(g: Node, s2: Node, s: Node, floor: float, fmax: float) -> tuple[Node, int, set[Node]] | None:
+    """The common head of the fake quants: g = x.float().unflatten(-1, (n / block, block)) divided by s (s2 is s),
+    s the power-of-two scale of g's blocks (``_pow2_ceil_chain``) -> (x, block, the nodes of g and s)."""
     if s2 is not s or not (is_call(g, "unflatten") and len(g.args) == 3 and g.args[1] == -1
                            and isinstance(g.args[2], (tuple, list)) and len(g.args[2]) == 2):
         return None
-    block = g.args[2][1]
-    if not isinstance(block, int):
+    block, xf = g.args[2][1], g.args[0]
+    chain = _pow2_ceil_chain(s, g, floor, fmax)
+    if not isinstance(block, int) or chain is None or not method_call(xf, "float"):
         return None
-    chain = _pow2_ceil_chain(s, g)
-    if chain is None:
+    return xf.args[0], block, {g, xf} | chain
+
+
+FQ4_AMAX_FLOOR = E2M1_MAX * 2.0**-126  # formats.fq4_ue8m0's clamp_min
+
+
+def fq4_ue8m0_input(node: Node) -> tuple[Node, int, set[Node]] | None:
+    """node = formats.fq4_ue8m0(x, block) as Dynamo records it -> (x, block, the chain's nodes)::
+
+        g = x.float().unflatten(-1, (n / block, block)); s = pow2_ceil(clamp_min(amax(|g|), 6 * 2^-126) / 6)
+        y = (g / s).clamp(-6, 6); a = y.abs()
+        r = where(a < 2, round(a * 2) * 0.5, where(a < 4, round(a), round(a * 0.5) * 2))   # round_e2m1
+        node = (copysign(r, y) * s).flatten(-2).to(dtype)
+    Every intermediate is read by the chain only."""
+    if not (is_call(node, "to") and len(node.args) == 2 and isinstance(node.args[1], torch.dtype) and not node.kwargs):
         return None
-    x = g.args[0]
-    if not method_call(x, "float"):
+    flat = node.args[0]
+    if not (method_call(flat, "flatten", -2) and is_call(flat.args[0], "mul") and len(flat.args[0].args) == 2):
         return None
-    nodes = {node, flat, q, deq, deq.args[0], clamp, clamp.args[0], g, x} | chain
+    mul = flat.args[0]
+    cs, s = mul.args
+    if not (is_call(cs, "copysign") and len(cs.args) == 2 and not cs.kwargs):
+        return None
+    r, y = cs.args
+    if not (method_call(y, "clamp", -E2M1_MAX, E2M1_MAX) and is_call(y.args[0], "truediv")
+            and len(y.args[0].args) == 2):
+        return None
+    blocks = _float_blocks(*y.args[0].args, s, FQ4_AMAX_FLOOR, E2M1_MAX)
+    rounding = _round_e2m1_chain(r, y)
+    if blocks is None or rounding is None:
+        return None
+    x, block, chain = blocks
+    nodes = {node, flat, mul, cs, y, y.args[0]} | rounding | chain
     if not all(only_users(n, nodes) for n in nodes - {node}):
         return None
-    return x.args[0], block, nodes
+    return x, block, nodes
 
 
-def _pow2_ceil_chain(s: Node, g: Node) -> set[Node] | None:
-    """s = quant._pow2_ceil(clamp_min(amax(abs(g), -1, keepdim=True), 1e-4) / 448) -> its nodes."""
+def _less(node, c: float) -> bool:
+    return is_call(node, "lt") and len(node.args) == 2 and not node.kwargs and is_literal(node.args[1], c)
+
+
+def _scaled_round(node, a: Node, inside: float, outside: float) -> set[Node] | None:
+    """node = round(a * inside) * outside -> its three nodes."""
+    if not (is_call(node, "mul") and len(node.args) == 2 and is_literal(node.args[1], outside)):
+        return None
+    rnd = node.args[0]
+    if not (is_call(rnd, "round") and len(rnd.args) == 1 and not rnd.kwargs):
+        return None
+    prod = rnd.args[0]
+    if not (is_call(prod, "mul") and len(prod.args) == 2 and prod.args[0] is a and is_literal(prod.args[1], inside)):
+        return None
+    return {node, rnd, prod}
+
+
+def _round_e2m1_chain(r: Node, y: Node) -> set[Node] | None:
+    """r = formats.round_e2m1's magnitude of y (before its copysign) -> its nodes."""
+    if not (is_call(r, "where") and len(r.args) == 3):
+        return None
+    lt2, half, inner = r.args
+    a = lt2.args[0] if _less(lt2, 2.0) else None
+    if not (method_call(a, "abs") and a.args[0] is y and is_call(inner, "where") and len(inner.args) == 3):
+        return None
+    lt4, mid, big = inner.args
+    if not (_less(lt4, 4.0) and lt4.args[0] is a and is_call(mid, "round") and mid.args == (a,) and not mid.kwargs):
+        return None
+    fine, coarse = _scaled_round(half, a, 2.0, 0.5), _scaled_round(big, a, 0.5, 2.0)
+    if fine is None or coarse is None:
+        return None
+    return {r, lt2, a, inner, lt4, mid} | fine | coarse
+
+
+def _pow2_ceil_chain(s: Node, g: Node, floor: float, fmax: float) -> set[Node] | None:
+    """s = formats.pow2_ceil(clamp_min(amax(abs(g), -1, keepdim=True), floor) / fmax) -> its nodes (fq8: 1e-4 and
+    448, fq4_ue8m0: 6 * 2^-126 and 6)."""
     if not method_call(s, "view", torch.float32) or not is_call(s.args[0], "lshift"):
         return None
     shl = s.args[0]
@@ -143,7 +219,7 @@ def _pow2_ceil_chain(s: Node, g: Node) -> set[Node] | None:
     if not method_call(bits, "view", torch.int32) or not is_call(bits.args[0], "truediv"):
         return None
     div = bits.args[0]
-    if not is_literal(div.args[1], E4M3_MAX) or not method_call(div.args[0], "clamp_min", 1e-4):
+    if not is_literal(div.args[1], fmax) or not method_call(div.args[0], "clamp_min", floor):
         return None
     amax = div.args[0].args[0]
     if not (is_call(amax, "amax") and dims_equal(arg(amax, 1, "dim", None), -1)

@@ -5,14 +5,20 @@ Naive subgraph (Dynamo FX), twice in every V4 index-source layer with fake quant
     h = hadamard_matrix(n, device)                 # traced: ones, 3 cats and a neg per doubling, / sqrt(n)
     y = (x.float() @ h).to(x.dtype)                # x [..., n] bf16 / fp16 -> fp32 matmul on CUDA cores (TF32 off)
 
+    q = fq4_ue8m0(y, 32)                           # (the indexer's fake quant, where it follows: every V4 site)
+
 Replacement::
 
     y = hadamard_rotate(x)                         # one tensor-core dot of x with the +-1 signs, times 1 / sqrt(n)
+    q = hadamard_rotate(x, fq4_block=32)           # where fq4_ue8m0 is y's only reader: one kernel for both
 
 The op's result is the model's up to the order of fp32 roundings before the one rounding to x's dtype (its module
-doc). Taken: a ``matmul`` of ``float(x)`` (x bf16 / fp16) and a matrix computed from constants alone whose value,
-evaluated here on the CPU, is ``hadamard_matrix(n)`` bit for bit (n a power of two in the op's range), whose only user
-is a ``to`` back to x's dtype. Another constant matrix, a parameter, an fp32 x or a product kept in fp32 are not.
+doc); its fq4 is the model's fq4 of that rotation, bit for bit. Taken: a ``matmul`` of ``float(x)`` (x bf16 / fp16)
+and a matrix computed from constants alone whose value, evaluated here on the CPU, is ``hadamard_matrix(n)`` bit for
+bit (n a power of two in the op's range), whose only user is a ``to`` back to x's dtype; the fq4 with it where that
+``to`` is read only by an ``fq4_ue8m0`` chain (``patterns.fq4_ue8m0_input``) of a block the op takes, back to x's
+dtype. Another constant matrix, a parameter, an fp32 x or a product kept in fp32 are not; an fq4 with other constants
+or with an intermediate read elsewhere stays as it is (the rotation alone is taken).
 """
 
 from __future__ import annotations
@@ -22,10 +28,11 @@ from torch.fx import Node
 from torch.fx.node import map_arg
 
 from minidi.formats import hadamard_matrix
-from minidi.ops.hadamard import KERNEL_DTYPES, hadamard_rotate, width_ok
+from minidi.ops.hadamard import KERNEL_DTYPES, fq4_block_ok, hadamard_rotate, width_ok
 
 from .base import Match, Rewrite
 from .fx_utils import dtype, is_call, n_args, val
+from .patterns import fq4_ue8m0_input
 
 
 def _constant_value(node: Node) -> tuple[torch.Tensor, set[Node]] | None:
@@ -73,27 +80,58 @@ def _is_hadamard(h: Node, n: int) -> set[Node] | None:
     return const[1]
 
 
+def _rotation(node: Node) -> tuple[Node, set[Node]] | None:
+    """node = (x.float() @ hadamard_matrix(n)).to(x.dtype), x bf16 / fp16 -> (x, the nodes it replaces)."""
+    if not (is_call(node, "to") and len(node.args) == 2 and not node.kwargs):
+        return None
+    mm, out_dtype = node.args
+    if not (is_call(mm, "matmul") and len(mm.args) == 2 and not mm.kwargs and len(mm.users) == 1):
+        return None
+    xf, h = mm.args
+    if not (is_call(xf, "float") and n_args(xf) == 1):
+        return None
+    x = xf.args[0]
+    n = val(x).shape[-1] if isinstance(val(x), torch.Tensor) else None
+    if dtype(x) not in KERNEL_DTYPES or out_dtype != dtype(x) or n is None or not width_ok(n):
+        return None
+    consts = _is_hadamard(h, n)
+    if consts is None:
+        return None
+    return x, {node, mm} | ({xf} if len(xf.users) == 1 else set()) | consts
+
+
+def _fq4_of(y: Node) -> tuple[Node, int, set[Node]] | None:
+    """(output, block, nodes) of an fq4_ue8m0 chain that is the only reader of the rotation ``y`` and returns y's
+    dtype, in a block the op takes."""
+    users = list(y.users)
+    if len(users) != 1 or not is_call(users[0], "float"):
+        return None
+    seen, frontier = set(), [users[0]]
+    for _ in range(12):  # the chain's output is 7 calls after y.float() by its shortest path: forwards only
+        frontier = [u for n in frontier for u in n.users if u not in seen]
+        seen.update(frontier)
+        for n in frontier:
+            found = fq4_ue8m0_input(n)
+            if found is not None and found[0] is y and n.args[1] == dtype(y):
+                n_cols = val(y).shape[-1]
+                return (n, found[1], found[2]) if fq4_block_ok(found[1], n_cols) else None
+    return None
+
+
 class Hadamard(Rewrite):
     key = "V"
     name = "hadamard"
 
     def match(self, node: Node) -> Match | None:
-        if not (is_call(node, "to") and len(node.args) == 2 and not node.kwargs):
+        rotation = _rotation(node)
+        if rotation is None:
             return None
-        mm, out_dtype = node.args
-        if not (is_call(mm, "matmul") and len(mm.args) == 2 and not mm.kwargs and len(mm.users) == 1):
-            return None
-        xf, h = mm.args
-        if not (is_call(xf, "float") and n_args(xf) == 1):
-            return None
-        x = xf.args[0]
-        n = val(x).shape[-1] if isinstance(val(x), torch.Tensor) else None
-        if dtype(x) not in KERNEL_DTYPES or out_dtype != dtype(x) or n is None or not width_ok(n):
-            return None
-        consts = _is_hadamard(h, n)
-        if consts is None:
-            return None
-        nodes = {node, mm} | ({xf} if len(xf.users) == 1 else set()) | consts
-        return Match(anchor=node, nodes=nodes, target=hadamard_rotate, args=(x,), kwargs={"backend": self.op_backend},
-                     outputs=[(node, None)])
-
+        x, nodes = rotation
+        anchor, kwargs = node, {"backend": self.op_backend}
+        fq4 = _fq4_of(node)
+        if fq4 is not None:  # the fq4 that reads the rotation goes into the same call
+            anchor, block, fq4_nodes = fq4
+            nodes |= fq4_nodes
+            kwargs = {"fq4_block": block, **kwargs}
+        return Match(anchor=anchor, nodes=nodes, target=hadamard_rotate, args=(x,), kwargs=kwargs,
+                     outputs=[(anchor, None)])

@@ -1,8 +1,10 @@
 """Pass V (V4's Hadamard rotations -> ``minidi.ops.hadamard.hadamard_rotate``): the rewritten graph (expecttest
 snapshot, the traced matrix gone), exact counts, numerics against the exact rotation (fp64), strict mode, the
-look-alikes refused (another constant matrix, a parameter, an fp32 x, a product kept in fp32), and the real sites in
-tiny V4 with the served settings (bf16, fake quant on: the indexer's q and k in each index-source layer, traced
-only). Refresh the snapshot with ``EXPECTTEST_ACCEPT=1 pytest tests/passes/test_rewrite_hadamard.py``."""
+look-alikes refused (another constant matrix, a parameter, an fp32 x, a product kept in fp32), the fq4 that follows
+the rotation taken into the same call (snapshot, bit-equal result; an fq4 with other constants or a rotation read
+elsewhere left out), and the real sites in tiny V4 with the served settings (bf16, fake quant on: the indexer's q and
+k in each index-source layer, each with its fq4, traced only). Refresh the snapshots with ``EXPECTTEST_ACCEPT=1 pytest
+tests/passes/test_rewrite_hadamard.py``."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import torch._dynamo
 from expecttest import assert_expected_inline
 
 import minidi
-from minidi.formats import hadamard, hadamard_matrix
+from minidi.formats import E2M1_MAX, fq4_ue8m0, hadamard, hadamard_matrix, pow2_ceil, round_e2m1
 from minidi.model.context import ModelCache, StepMeta
 from minidi.runtime.compile import dynamic_shape_config, expected_sites
 
@@ -51,6 +53,40 @@ class GraphModule(torch.nn.Module):
         hadamard_rotate: "bf16[3, 64]" = minidi_ops_hadamard_hadamard_rotate(l_args_0_, backend = 'auto');  l_args_0_ = None
         return (hadamard_rotate,)
 """)
+
+
+def test_fq4_taken_into_the_call_snapshot():
+    x = operands()[0]
+    out, mgr, _, after = run(Fn(lambda x: fq4_ue8m0(hadamard(x), 32)), (x,), "V", 1, strict=True)
+    assert mgr.counts == {"V": 1}
+    assert torch.equal(out.view(torch.int16), fq4_ue8m0(hadamard(x), 32).view(torch.int16))  # the reference here
+    assert_expected_inline(graph_text(after), """\
+class GraphModule(torch.nn.Module):
+    def forward(self, L_args_0_: "bf16[5, 4, 64]"):
+        l_args_0_ = L_args_0_
+        hadamard_rotate: "bf16[5, 4, 64]" = minidi_ops_hadamard_hadamard_rotate(l_args_0_, fq4_block = 32, backend = 'auto');  l_args_0_ = None
+        return (hadamard_rotate,)
+""")
+
+
+def _fq4_other_floor(x, block=32):
+    """fq4_ue8m0 with fq8's amax floor (1e-4): another quantiser."""
+    g = x.float().unflatten(-1, (x.shape[-1] // block, block))
+    s = pow2_ceil(g.abs().amax(-1, keepdim=True).clamp_min(1e-4) / E2M1_MAX)
+    return (round_e2m1((g / s).clamp(-E2M1_MAX, E2M1_MAX)) * s).flatten(-2).to(x.dtype)
+
+
+@pytest.mark.parametrize("fn,fused", [
+    (lambda x: _fq4_other_floor(hadamard(x)), 0),  # other constants: the rotation alone
+    (lambda x: (fq4_ue8m0(y := hadamard(x), 32), y * 2), 0),  # the rotation read elsewhere too: alone
+    (lambda x: fq4_ue8m0(hadamard(x), 32).float(), 1),  # taken: a cast of the fq4's result stays outside the call
+])
+def test_fq4_taken_only_as_the_rotations_one_reader(fn, fused):
+    x = operands()[0]
+    out, mgr, _, after = run(Fn(fn), (x,), "V", 1, strict=True)
+    text = graph_text(after)
+    assert mgr.counts == {"V": 1} and "matmul" not in text
+    assert text.count("fq4_block = 32") == fused and ("round" in text) == (not fused)
 
 
 def _other_constant(x):
@@ -99,8 +135,10 @@ def test_tiny_v4_served_settings_sites_traced():
     torch._dynamo.reset()
     ids = torch.arange(24) % cfg.vocab_size
     meta = StepMeta.for_sequence(ids, cfg.window_size, model.ratios, cfg.step_ngram)
-    step = minidi.compile(model, "V", backend=_trace_only, strict=True, expected={"V": want})
+    step = minidi.compile(model, "V", backend=_trace_only, strict=True, expected={"V": want}, keep_graphs=True)
     with dynamic_shape_config(), torch._dynamo.config.patch(specialize_float=True), pytest.raises(_Traced):
         step(meta, ModelCache())
     assert step.pass_manager.counts == {"V": len(want)}
     assert sorted(step.pass_manager.sites["V"]) == sorted(want)
+    after = graph_text(step.pass_manager.graphs[-1][1])
+    assert after.count("fq4_block = 32") == len(want) and "torch.round" not in after  # every site's fq4 taken
