@@ -18,7 +18,9 @@ the FLOPs and bytes of ``bench/op_work.py`` (the profiler's FLOPs for matmuls, I
 copy-like and elementwise ops from the recorded shapes). A CPU call counts its own part (``call_work``: a composite
 op's work is its children's). CUDA: a kernel gets the work of the op that launched it (the innermost ``cpu_op``
 around its launch on the launching thread) only when that op launched nothing else: the work of an op cannot be
-split between kernels. minidi's own ops declare theirs per kernel (``bench/minidi_work.py``, from the call's recorded
+split between kernels. One exception: a matmul op whose other launches are device memsets (cuBLAS clears its
+workspace before some GEMMs: V4.1's wq_b, the indexer's wq_b and the grouped wo_a on the H100) gives its FLOPs to
+its one GEMM kernel. minidi's own ops declare theirs per kernel (``bench/minidi_work.py``, from the call's recorded
 arguments): each of their kernels gets its declared work, a launch an equal share of its kernel's in that call; the
 MoE's local-row kernels need ``ep_size`` (their rows are device data; under EP N the model's count, ``bytes_from``).
 On the CPU a minidi op's call stays a composite (the interpreter runs its kernels beside its own staging copies).
@@ -49,12 +51,12 @@ import torch
 
 if __package__:  # imported as bench.kernel_table (the benchmark as a module, the tests)
     from . import common, minidi_work, prefill_stages
-    from .op_work import call_work, trivial
+    from .op_work import MATMUL_OPS, call_work, trivial
 else:  # run as a script: the script's folder is sys.path[0]
     import common
     import minidi_work
     import prefill_stages
-    from op_work import call_work, trivial
+    from op_work import MATMUL_OPS, call_work, trivial
 
 OP_CAT = prefill_stages.OP_CAT  # the profiler category of an operator call
 
@@ -131,14 +133,23 @@ def _cpu_calls(events: list[dict], steps: list[dict]) -> tuple[list[_Call], floa
     return calls, statistics.mean(float(s["dur"]) for s in steps) / 1e3
 
 
+MEMSET = "Memset (Device)"  # a device memset: cuBLAS clears its workspace before some GEMMs (the op's one other launch)
+
+
 def _launch_work(op: _Op | None, kernel: str, ep_size: int | None) -> tuple[float | None, float | None, str | None]:
     """(FLOPs, bytes, bytes_from) of one device event launched with ``op`` innermost: a declared minidi op's share
-    for that kernel (``minidi_work``), else the op's work where it launched nothing else."""
+    for that kernel (``minidi_work``), else the op's work where it launched nothing else but memsets (cuBLAS clears a
+    workspace before some GEMMs: the GEMM keeps the op's work, the memset gets none)."""
     if op is None:
         return None, None, None
     if minidi_work.declared(op.event.get("name", "")):
         return minidi_work.kernel_work(op.event, kernel, op.kernels.get(kernel, 0), True, ep_size)
-    return (*_work(op), None) if op.launches == 1 else (None, None, None)
+    if op.launches == 1:
+        return (*_work(op), None)
+    memsets = op.kernels.get(MEMSET, 0)
+    if kernel != MEMSET and memsets and op.launches - memsets == 1 and op.event.get("name") in MATMUL_OPS:
+        return (*_work(op), None)
+    return None, None, None
 
 
 def _device_calls(events: list[dict], steps: list[dict], ep_size: int | None) -> tuple[list[_Call], float]:

@@ -165,6 +165,25 @@ def test_cuda_kernels_take_the_work_of_the_op_that_launched_them_alone():
     assert sum(r["pct_step"] for r in t.rows) <= 100
 
 
+def test_a_matmul_with_a_workspace_memset_gives_its_flops_to_its_gemm():
+    """cuBLAS clears a workspace (a device memset) before some GEMMs: the mm's FLOPs go to its one GEMM kernel, the
+    memset gets none; an op that is no matmul, or a matmul with two GEMM kernels, stays unknown."""
+    mm = {"dims": [[4096, 1280], [1280, 32768]], "types": ["c10::BFloat16"] * 2, "flops": 2 * 4096 * 1280 * 32768}
+    trace = {"traceEvents": [
+        _step(0, 2000),
+        _op("aten::mm", 100, 100, **mm), _launch(1, 120), _launch(2, 150),
+        _op("aten::copy_", 300, 100, [[64], [64], []], ["float", "float", "Scalar"]), _launch(3, 320), _launch(4, 350),
+        _op("aten::bmm", 500, 100, **mm), _launch(5, 510), _launch(6, 520), _launch(7, 530),
+        _kernel(1, "Memset (Device)", 1, "gpu_memset"), _kernel(2, GEMM, 100),
+        _kernel(3, "Memset (Device)", 1, "gpu_memset"), _kernel(4, EW, 10),
+        _kernel(5, "Memset (Device)", 1, "gpu_memset"), _kernel(6, "gemm_a", 50), _kernel(7, "gemm_b", 50),
+    ]}
+    rows = {r.get("full_name", r["name"]): r for r in kernel_table(trace, top=10, peaks=PEAKS).rows}
+    assert rows[GEMM]["flops_per_step"] == mm["flops"]
+    assert not {"flops_per_step", "bytes_per_step"} & set(rows["Memset (Device)"])
+    assert not {"flops_per_step", "bytes_per_step"} & (set(rows[EW]) | set(rows["gemm_a"]) | set(rows["gemm_b"]))
+
+
 def test_model_flops_go_to_the_heaviest_kernel_of_their_term_without_counted_flops():
     """An op's two kernels (k_a 5 us, k_b 5 us: the name breaks the tie) carry no FLOPs in the trace; the model's
     count gives the term to the heaviest one present, marked; a term whose kernels are absent, or a row that has its
