@@ -27,7 +27,7 @@ if __package__:  # python -m bench.bench_hadamard, the tests
 else:  # python bench/bench_hadamard.py: the script's folder is sys.path[0]
     import common
 
-SWEEP = ((32, 4), (64, 4), (128, 4), (128, 8), (256, 8))  # BM, warps
+SWEEP = ((32, 4), (64, 4), (64, 8), (128, 4), (128, 8), (256, 8))  # BM, warps
 
 
 def main(argv: list[str] | None = None) -> dict:

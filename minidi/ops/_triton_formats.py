@@ -71,21 +71,22 @@ _RINT = tl.constexpr(12582912.0)  # 1.5 * 2^23: (w + _RINT) - _RINT rounds 0 <= 
 
 
 @triton.jit
-def fq4_ue8m0_rows(g):
-    """fq4_ue8m0 of each row of g [R, BLOCK] fp32 (a row is one block), in fp32: ``minidi.formats.fq4_ue8m0``, exact
-    on finite rows. s = pow2_ceil(max(amax, 6 * 2^-126) / 6) (the division correctly rounded, as torch's), the
+def fq4_ue8m0_blocks(g):
+    """fq4_ue8m0 of g [R, NB, BLOCK] fp32 (the last axis one block), in fp32: ``minidi.formats.fq4_ue8m0``, exact on
+    finite blocks. s = pow2_ceil(max(amax, 6 * 2^-126) / 6) (the division correctly rounded, as torch's), the
     quotient g / s clamped to +-6 (a product with the exact 1 / s: s is a power of two in [2^-126, 2^126]), rounded to
     the e2m1 grid as ``round_e2m1`` (steps 0.5 / 1 / 2 below 2 / 4 / 6, ties to even by the fp32 adder), the sign
-    kept (-0 too), times s. A row holding a NaN or an infinity comes out all NaN (the model's result there is
-    whatever its bit arithmetic makes of the NaN scale)."""
+    kept (-0 too), times s. A block holding a NaN or an infinity comes out all NaN (the model's result there is
+    whatever its bit arithmetic makes of the NaN scale). The Hadamard kernel passes its [BM, n] tile as [BM, n / BLOCK,
+    BLOCK]; a 2-d caller passes [R, 1, BLOCK]."""
     a = tl.abs(g)
-    bad = tl.max(((a != a) | (a == float("inf"))).to(tl.int32), 1) > 0
-    amax = tl.maximum(tl.max(tl.where(a == a, a, 0.0), 1), _FQ4_AMAX_FLOOR)
-    s = pow2_ceil(tl.div_rn(amax, 6.0))  # [R]
+    amax = tl.max(tl.where(a == a, a, float("inf")), 2)  # a NaN counts as an infinity: either poisons the block
+    bad = amax == float("inf")
+    s = pow2_ceil(tl.div_rn(tl.maximum(amax, _FQ4_AMAX_FLOOR), 6.0))  # [R, NB]
     inv = ((254 - ((s.to(tl.int32, bitcast=True) >> 23) & 0xFF)) << 23).to(tl.float32, bitcast=True)  # 1 / s
-    v = tl.minimum(tl.maximum(g * inv[:, None], -6.0), 6.0)
+    v = tl.minimum(tl.maximum(g * inv[:, :, None], -6.0), 6.0)
     av = tl.abs(v)
     q = tl.where(av < 2.0, ((av * 2.0 + _RINT) - _RINT) * 0.5,
                  tl.where(av < 4.0, (av + _RINT) - _RINT, ((av * 0.5 + _RINT) - _RINT) * 2.0))
     q = (q.to(tl.int32, bitcast=True) | ((v.to(tl.int32, bitcast=True) >> 31) << 31)).to(tl.float32, bitcast=True)
-    return tl.where(bad[:, None], float("nan"), q * s[:, None])
+    return tl.where(bad[:, :, None], float("nan"), q * s[:, :, None])

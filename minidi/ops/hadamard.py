@@ -18,7 +18,7 @@ dtype (tests: within that rounding plus 2^-20 of c sum |x_i| of the exact produc
 Kernel ``_hadamard_kernel``: one program per BM rows, [BM, n] x [n, n] in one ``tl.dot``; memory-bound (reads and
 writes 2 n bytes a row). S is built once per (n, dtype, device). fp32 x (fp32 models) runs the reference.
 With ``fq4_block`` the epilogue rounds the rotation to x's dtype (the model's rounding point) and applies
-``fq4_ue8m0`` to each block of the row in registers (``_triton_formats.fq4_ue8m0_rows``, exact): the result is the
+``fq4_ue8m0`` to each block of the row in registers (``_triton_formats.fq4_ue8m0_blocks``, exact): the result is the
 model's fq4 of the kernel's rotation bit for bit. Inductor's code for that fq4 made two more passes over q (round 34's
 V4-Flash EP4 kernel table, H100: two kernels whose fused names carry ``round_e2m1``'s and ``pow2_ceil``'s
 operations, 21 calls each, 3.36 ms a step).
@@ -42,7 +42,7 @@ import triton.language as tl
 
 from minidi.formats import fq4_ue8m0, hadamard, hadamard_matrix
 
-from ._triton_formats import fq4_ue8m0_rows
+from ._triton_formats import fq4_ue8m0_blocks
 from ._triton_utils import cannot_run, dot, interpreting, resolve_backend, round_bf16, triton_can_run
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)  # S and x S exact in one dot
@@ -85,7 +85,7 @@ def _hadamard_kernel(x_ptr, s_ptr, out_ptr, M, scale, N: tl.constexpr, BM: tl.co
         y = round_bf16(y)
     if FQ4 > 0:  # the model's rounding to x's dtype, then fq4_ue8m0 of each block of FQ4 channels
         y = y.to(out_ptr.dtype.element_ty).to(tl.float32)
-        y = tl.reshape(fq4_ue8m0_rows(tl.reshape(y, [BM * N // FQ4, FQ4])), [BM, N])
+        y = tl.reshape(fq4_ue8m0_blocks(tl.reshape(y, [BM, N // FQ4, FQ4])), [BM, N])
     tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=ok)
 
 

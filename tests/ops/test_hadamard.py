@@ -3,7 +3,7 @@ dot. Against the exact rotation (fp64): within the one rounding to x's dtype plu
 differences of order from the model's fp32 matmul), on fresh random inputs over a wide exponent range, ragged row
 counts, poisoned outputs, both kernel dtypes; the model's own rotation meets the same bound. With ``fq4_block`` the
 result is ``fq4_ue8m0`` of the op's own rotation bit for bit, and the model's fq4 of its rotation wherever the two
-rotations agree; the epilogue's fq4 (``_triton_formats.fq4_ue8m0_rows``) equals ``minidi.formats.fq4_ue8m0`` on every
+rotations agree; the epilogue's fq4 (``_triton_formats.fq4_ue8m0_blocks``) equals ``minidi.formats.fq4_ue8m0`` on every
 e2m1 rounding boundary, the amax floor, signed zeros and the largest bf16 values. Errors name what is wrong; fp32 x
 runs the reference."""
 
@@ -16,7 +16,7 @@ import triton.language as tl
 
 from minidi.formats import fq4_ue8m0, hadamard, hadamard_matrix
 from minidi.ops import hadamard as hd
-from minidi.ops._triton_formats import fq4_ue8m0_rows
+from minidi.ops._triton_formats import fq4_ue8m0_blocks
 
 gpu = pytest.mark.gpu
 interpreter = pytest.mark.interpreter
@@ -122,7 +122,7 @@ def test_fq4_every_row_written(device):
 @triton.jit
 def _fq4_rows_kernel(x_ptr, y_ptr, R: tl.constexpr, B: tl.constexpr):
     offs = tl.arange(0, R)[:, None] * B + tl.arange(0, B)[None, :]
-    tl.store(y_ptr + offs, fq4_ue8m0_rows(tl.load(x_ptr + offs)))
+    tl.store(y_ptr + offs, tl.reshape(fq4_ue8m0_blocks(tl.reshape(tl.load(x_ptr + offs), [R, 1, B])), [R, B]))
 
 
 def _boundary_blocks() -> torch.Tensor:
