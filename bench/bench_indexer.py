@@ -19,7 +19,10 @@ cost). % of peak against the FP8 dense peak measured here with ``torch._scaled_m
 a V4.1 re-index layer, B's dense FP8 path on the candidate mask beside pass M's candidate-only op. ``--only src``
 (``indexer_source_cases.py``): the candidate source's block selection, the model's chain beside pass T's op.
 
-Usage: python bench/bench_indexer.py [--out PATH] [--no-compile] [--only score,topk,fp8,fp8e2e,cand,src]
+``--keys N`` sets the number of keys (the prefix then ends T keys before N): 32,768 is V4-Flash's ratio-4 layers, whose
+top-k takes its own chunk maxima (at N / 64 = K blocks the score kernel's are no bound).
+
+Usage: python bench/bench_indexer.py [--out PATH] [--no-compile] [--only score,topk,fp8,fp8e2e,cand,src] [--keys N]
 Prints a card, tables, and as the LAST line one JSON object.
 """
 
@@ -66,8 +69,9 @@ TOPK_CONFIGS = {  # NS chunks per row (CH = N / NS columns each), CAP candidates
     "tile4096 w8": dict(TILE=4096),
     "tile1024 w4": dict(TILE=1024, num_warps=4),
     "tile2048 w4": dict(num_warps=4),
-    "NS4096 (chunks of 32)": dict(NS=4096),
-    "NS1024 (chunks of 128)": dict(NS=1024),
+    "NS4096": dict(NS=4096),  # chunks of N / NS columns (32 at N 131,072, 8 at 32,768)
+    "NS4096 tile1024 w4": dict(NS=4096, TILE=1024, num_warps=4),
+    "NS1024": dict(NS=1024),
 }
 
 
@@ -127,8 +131,13 @@ def main() -> None:
     ap.add_argument("--no-compile", action="store_true", help="skip stock torch.compile of the plain path")
     ap.add_argument("--only", default="score,topk,fp8")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU interpreter (checks the script)")
+    ap.add_argument("--keys", type=int, default=None, help="keys N (default 131,072; the prefix ends T keys before N)")
     args = ap.parse_args()
     global T, H, D, N, K, PREFIX, DEV
+    if args.keys is not None:
+        if args.keys <= T:
+            raise SystemExit(f"--keys must exceed the {T} queries (the prefix ends T keys before N), got {args.keys}")
+        N, PREFIX = args.keys, args.keys - T
     if args.smoke:
         T, H, D, N, K, PREFIX, DEV = 64, 8, 32, 2048, 16, 1900, "cpu"
         SMOKE_TOPK.update(NS=64, CAP=128, TILE=64)
