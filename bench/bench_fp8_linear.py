@@ -19,7 +19,6 @@ Usage: python bench/bench_fp8_linear.py [--out PATH] [--smoke]. The LAST line pr
 
 from __future__ import annotations
 
-import argparse
 import os
 
 import torch
@@ -65,11 +64,7 @@ def uncached(fn):
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default=None)
-    ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU interpreter ok)")
-    args = ap.parse_args(argv)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    args, device = common.op_bench_args(__doc__, argv)
     t = 64 if args.smoke else 4096
     pk = common.measure_peaks(device, small=args.smoke)
     g = torch.Generator().manual_seed(0)

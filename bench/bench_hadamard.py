@@ -15,8 +15,6 @@ Usage: python bench/bench_hadamard.py [--out PATH] [--smoke]. The LAST line prin
 
 from __future__ import annotations
 
-import argparse
-
 import torch
 
 from minidi.formats import fq4_ue8m0, hadamard, hadamard_matrix
@@ -31,11 +29,7 @@ SWEEP = ((32, 4), (64, 4), (64, 8), (128, 4), (128, 8), (256, 8))  # BM, warps
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default=None)
-    ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU interpreter ok)")
-    args = ap.parse_args(argv)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    args, device = common.op_bench_args(__doc__, argv)
     shapes = {"q": (16, 4, 128), "k": (8, 128)} if args.smoke else {"q": (4096, 64, 128), "k": (1024, 128)}
     pk = common.measure_peaks(device, small=args.smoke)
     g = torch.Generator().manual_seed(0)

@@ -16,8 +16,6 @@ Usage: python bench/bench_hc_expand.py [--out PATH] [--smoke]. The LAST line pri
 
 from __future__ import annotations
 
-import argparse
-
 import torch
 
 from minidi.model.hyper_connections import hc_expand as model_expand
@@ -51,16 +49,8 @@ def site_op(x, h, mu, scale, base, comb):
     return op.hc_expand(x, h, post_of(mu, scale, base, x.shape[1]), comb)
 
 
-def dev() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default=None)
-    ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU interpreter ok)")
-    args = ap.parse_args(argv)
-    device = dev()
+    args, device = common.op_bench_args(__doc__, argv)
     t, n, d = (32, 4, 96) if args.smoke else (4096, 4, 5120)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(t, n, d, generator=g).bfloat16().to(device)

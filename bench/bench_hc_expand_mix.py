@@ -13,8 +13,6 @@ Usage: python bench/bench_hc_expand_mix.py [--out PATH] [--smoke]. The LAST line
 
 from __future__ import annotations
 
-import argparse
-
 import torch
 
 from minidi.ops import hc_expand, hc_expand_mix, hc_mix
@@ -26,10 +24,6 @@ else:  # python bench/bench_hc_expand_mix.py: the script's folder is sys.path[0]
 
 SWEEP = ((64, 32, 8, 2), (64, 32, 4, 3), (32, 32, 4, 3), (32, 32, 8, 3), (64, 64, 8, 2), (128, 32, 8, 2),
          (64, 16, 8, 4))  # BT, BD, warps, stages (D split hc_mix.SPLITS ways)
-
-
-def dev() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def inputs(t: int, n: int, d: int, device: str, m: int = 24):
@@ -45,11 +39,7 @@ def inputs(t: int, n: int, d: int, device: str, m: int = 24):
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default=None)
-    ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU interpreter ok)")
-    args = ap.parse_args(argv)
-    device = dev()
+    args, device = common.op_bench_args(__doc__, argv)
     t, n, d = (64, 4, 256) if args.smoke else (4096, 4, 5120)
     x, h, post, comb, fn, pre = inputs(t, n, d, device)
     pk = common.measure_peaks(device, small=args.smoke)

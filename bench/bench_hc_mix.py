@@ -18,8 +18,6 @@ Usage: python bench/bench_hc_mix.py [--out PATH] [--smoke]. The LAST line printe
 
 from __future__ import annotations
 
-import argparse
-
 import torch
 
 from minidi.model.hyper_connections import hc_collapse, hc_mixer
@@ -137,16 +135,8 @@ def fused_site_table(device: str, smoke: bool, pk: dict) -> tuple[list, list]:
     return [t, n, d], table
 
 
-def dev() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default=None)
-    ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU interpreter ok)")
-    args = ap.parse_args(argv)
-    device = dev()
+    args, device = common.op_bench_args(__doc__, argv)
     t, k, n = (64, 512, 24) if args.smoke else (4096, 4 * 5120, 24)
     torch.manual_seed(0)
     torch.backends.cuda.matmul.allow_tf32 = False

@@ -12,8 +12,6 @@ Usage: python bench/bench_head_logits.py [--out PATH] [--smoke]. The LAST line p
 
 from __future__ import annotations
 
-import argparse
-
 import torch
 
 from minidi.model.presets import preset
@@ -31,11 +29,7 @@ def model_head(y: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default=None)
-    ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU interpreter ok)")
-    args = ap.parse_args(argv)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    args, device = common.op_bench_args(__doc__, argv)
     c = preset("tiny-v41" if args.smoke else "v41-flash")
     v, d = c.vocab_size, c.dim
     pk = common.measure_peaks(device, small=args.smoke)

@@ -20,6 +20,7 @@ import ``bench.common``); each bench picks one of the two by ``__package__``.
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -34,6 +35,19 @@ PEAK_KEYS = ("bf16_tflops", "copy_gbps")
 
 
 # ---- devices and ranks -------------------------------------------------------------------------------------------
+def op_bench_args(doc: str | None, argv: list[str] | None = None,
+                  extra: Callable[[argparse.ArgumentParser], None] | None = None) -> tuple[argparse.Namespace, str]:
+    """The op benchmarks' command line, parsed: ``--out PATH`` (the JSON result) and ``--smoke`` (tiny shapes, the CPU
+    interpreter ok), plus what ``extra`` adds -> (the arguments, the device: "cuda" where there is one, else "cpu").
+    ``doc``: the benchmark's module docstring (its first paragraph is the description)."""
+    ap = argparse.ArgumentParser(description=(doc or "").split("\n\n")[0])
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU interpreter ok)")
+    if extra is not None:
+        extra(ap)
+    return ap.parse_args(argv), "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def is_cuda(device: str | torch.device) -> bool:
     return str(device).startswith("cuda")
 
