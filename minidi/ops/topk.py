@@ -216,11 +216,21 @@ def _topk_kernel(
     tl.store(orow + p, tl.full((KP,), -1, tl.int64), mask=(p >= n_take) & (p < K))
 
 
-def default_topk_config(k: int) -> dict:
-    """NS chunks per row (>= 2K so ~K of them are active), CAP candidates, G chunks per compaction tile."""
+LONG_ROW = 65536  # columns from which the GPU top-k takes twice the chunks and narrower tiles (default_topk_config)
+
+
+def default_topk_config(k: int, n: int = 0) -> dict:
+    """NS chunks per row (>= 2K so ~K of them are active), CAP candidates, G chunks per compaction tile; ``n`` the
+    row's columns. On the GPU, rows of at least ``LONG_ROW`` columns take 8K chunks, 1,024-column tiles and 4 warps:
+    at [4,096, 65,536], K 512, H100 (round 35, ``bench_indexer.py --only topk --keys 65536``) 0.864 ms for the bound and
+    the top-k against 1.030 with 4K chunks, 2,048-column tiles and 8 warps (the same picks); shorter rows (V4-Flash's
+    32,768, the candidate layers' 16,384) were not measured and keep the latter, as does a bound from the score
+    kernel's chunk maxima (measured with it: ``n`` 0)."""
     kp = triton.next_power_of_2(max(k, 1))
     if interpreting():
         return dict(NS=max(16, 4 * kp), CAP=max(64, 8 * kp), TILE=64, CPT=16, num_warps=4)
+    if n >= LONG_ROW:
+        return dict(NS=min(max(256, 8 * kp), 8192), CAP=min(max(1024, 8 * kp), 16384), TILE=1024, CPT=32, num_warps=4)
     return dict(NS=min(max(256, 4 * kp), 8192), CAP=min(max(1024, 8 * kp), 16384), TILE=2048, CPT=32, num_warps=8)
 
 
@@ -243,12 +253,12 @@ def _launch_topk(scores, k, k_start=None, k_end=None, cmax=None, cmax_chunk=0, o
         out = torch.empty(t, k, device=scores.device, dtype=torch.int64)
     if t == 0 or k == 0:
         return out
-    c = {**default_topk_config(k), **cfg}
+    fixed = cmax is not None and cmax_chunk > 0 and uses_fused_bound(k, cmax.shape[1])
+    c = {**default_topk_config(k, 0 if fixed else n), **cfg}  # (the fused bound was measured with the short rows')
     ns, cap = c["NS"], c["CAP"]
     if ns < 2 * k or ns & (ns - 1) or cap & (cap - 1):
         raise ValueError(f"NS={ns} must be a power of two >= 2k={2 * k}; CAP={cap} a power of two")
     scores = scores if scores.stride(-1) == 1 else scores.contiguous()
-    fixed = cmax is not None and cmax_chunk > 0 and uses_fused_bound(k, cmax.shape[1])
     dummy = out  # never read when the matching HAS_* flag is off
     ks_, ke_ = (k_start if k_start is not None else dummy), (k_end if k_end is not None else dummy)
     if fixed:
