@@ -75,13 +75,19 @@ def dequant_fp8(weight: torch.Tensor, scale: torch.Tensor, block: int, dtype: to
 FQ8_AMAX_FLOOR = 1e-4  # a block's amax is clamped to at least this before its scale is taken
 
 
+def float_blocks(x: torch.Tensor, block: int, what: str) -> torch.Tensor:
+    """x [..., K] -> fp32 [..., K / block, block]: the blocks every fake quant takes its scales over (``what`` names
+    the caller in the error for a K that is not a multiple of ``block``). The passes match these two calls."""
+    if x.shape[-1] % block:
+        raise ValueError(f"{what}: last dim {x.shape[-1]} is not a multiple of block {block}")
+    return x.float().unflatten(-1, (x.shape[-1] // block, block))
+
+
 def fq8_split(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., K] (K a multiple of ``block``) -> (q float8_e4m3fn [..., K], s fp32 [..., K/block]) with
     s = 2^ceil(log2(max(amax, 1e-4) / 448)) per block and q = e4m3(clamp(x / s, +-448)) (round to nearest even):
     q * s is the model's fq8 of x, exactly."""
-    if x.shape[-1] % block:
-        raise ValueError(f"fq8: last dim {x.shape[-1]} is not a multiple of block {block}")
-    g = x.float().unflatten(-1, (x.shape[-1] // block, block))
+    g = float_blocks(x, block, "fq8")
     s = pow2_ceil(g.abs().amax(-1, keepdim=True).clamp_min(FQ8_AMAX_FLOOR) / E4M3_MAX)
     q = (g / s).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
     return q.flatten(-2), s.squeeze(-1)
@@ -101,9 +107,7 @@ def fq4_ue8m0(x: torch.Tensor, block: int = 32) -> torch.Tensor:
 
     Pass V (``minidi/passes/patterns.py``: ``fq4_ue8m0_input``) recognises exactly this sequence of torch calls in
     the traced model where it follows the Hadamard rotation: change it and that matcher together."""
-    if x.shape[-1] % block:
-        raise ValueError(f"fake-quant: last dim {x.shape[-1]} is not a multiple of block {block}")
-    g = x.float().unflatten(-1, (x.shape[-1] // block, block))
+    g = float_blocks(x, block, "fq4_ue8m0")
     s = pow2_ceil(g.abs().amax(-1, keepdim=True).clamp_min(E2M1_MAX * 2.0**-126) / E2M1_MAX)
     return (round_e2m1((g / s).clamp(-E2M1_MAX, E2M1_MAX)) * s).flatten(-2).to(x.dtype)
 

@@ -29,7 +29,8 @@ def test_a_leaf_that_imports_torch_only():
 def test_model_and_ops_share_the_definitions():
     """No second copy: the model's names are these objects, and the ops' references call them."""
     for name in ("E2M1_GRID", "E2M1_MAX", "E4M3_MAX", "e8m0_to_float", "float_to_e8m0", "pow2_ceil", "e2m1_grid",
-                 "unpack_fp4_codes", "dequant_fp4", "hadamard", "hadamard_matrix", "round_e2m1", "fq4_ue8m0"):
+                 "unpack_fp4_codes", "dequant_fp4", "hadamard", "hadamard_matrix", "round_e2m1", "fq4_ue8m0",
+                 "float_blocks"):
         assert getattr(quant, name) is getattr(formats, name), name
     assert moe_activation.E4M3_MAX is formats.E4M3_MAX and fp4_gemm.FP4_BLOCK == formats.FP4_BLOCK
 

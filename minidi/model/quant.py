@@ -18,8 +18,8 @@ import torch
 # The formats themselves (E8M0 / e2m1 decode, the grids, the e4m3 max) live in the leaf module minidi.formats, shared
 # with the ops' references; re-exported here for the model's modules.
 from minidi.formats import (E2M1_GRID, E2M1_MAX, E4M3_MAX, dequant_fp4, dequant_fp8, e2m1_grid,  # noqa: F401
-                            e8m0_to_float, expand_tiles, float_to_e8m0, fq4_ue8m0, hadamard, hadamard_matrix,
-                            pow2_ceil, round_e2m1, unpack_fp4_codes)
+                            e8m0_to_float, expand_tiles, float_blocks, float_to_e8m0, fq4_ue8m0, hadamard,
+                            hadamard_matrix, pow2_ceil, round_e2m1, unpack_fp4_codes)
 
 
 # ---- FP8 block weights ---------------------------------------------------------------------------------------------
@@ -56,15 +56,9 @@ def quantize_fp4(w: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.
 
 
 # ---- activation / KV fake-quant ---------------------------------------------------------------------------------
-def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
-    if x.shape[-1] % block:
-        raise ValueError(f"fake-quant: last dim {x.shape[-1]} is not a multiple of block {block}")
-    return x.float().unflatten(-1, (x.shape[-1] // block, block))
-
-
 def fq8(x: torch.Tensor, block: int) -> torch.Tensor:
     """e4m3 fake-quant per ``block`` channels, scale 2^ceil(log2(max(amax, 1e-4)/448))."""
-    g = _blocks(x, block)
+    g = float_blocks(x, block, "fq8")
     s = pow2_ceil(g.abs().amax(-1, keepdim=True).clamp_min(1e-4) / E4M3_MAX)
     q = (g / s).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).float() * s
     return q.flatten(-2).to(x.dtype)
@@ -72,7 +66,7 @@ def fq8(x: torch.Tensor, block: int) -> torch.Tensor:
 
 def fq4_e4m3(x: torch.Tensor, block: int = 16) -> torch.Tensor:
     """e2m1 fake-quant per ``block`` channels with an e4m3 scale e4m3(max(amax, 6*2^-9)/6) (not a power of two)."""
-    g = _blocks(x, block)
+    g = float_blocks(x, block, "fq4_e4m3")
     amax = g.abs().amax(-1, keepdim=True).clamp_min(E2M1_MAX * 2.0**-9)
     s = (amax / E2M1_MAX).clamp_max(E4M3_MAX).to(torch.float8_e4m3fn).float()  # explicit saturation
     return (round_e2m1((g / s).clamp(-E2M1_MAX, E2M1_MAX)) * s).flatten(-2).to(x.dtype)

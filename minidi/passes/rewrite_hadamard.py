@@ -100,22 +100,25 @@ def _rotation(node: Node) -> tuple[Node, set[Node]] | None:
     return x, {node, mm} | ({xf} if len(xf.users) == 1 else set()) | consts
 
 
+# the calls from y.float() to an fq4_ue8m0 chain's output, each reading the one before (formats.fq4_ue8m0)
+_FQ4_PATH = ("unflatten", "truediv", "clamp", "copysign", "mul", "flatten", "to")
+
+
 def _fq4_of(y: Node) -> tuple[Node, int, set[Node]] | None:
     """(output, block, nodes) of an fq4_ue8m0 chain that is the only reader of the rotation ``y`` and returns y's
-    dtype, in a block the op takes."""
+    dtype, in a block the op takes: the chain's output is found along ``_FQ4_PATH``, then matched whole."""
     users = list(y.users)
     if len(users) != 1 or not is_call(users[0], "float"):
         return None
-    seen, frontier = set(), [users[0]]
-    for _ in range(12):  # the chain's output is 7 calls after y.float() by its shortest path: forwards only
-        frontier = [u for n in frontier for u in n.users if u not in seen]
-        seen.update(frontier)
-        for n in frontier:
-            found = fq4_ue8m0_input(n)
-            if found is not None and found[0] is y and n.args[1] == dtype(y):
-                n_cols = val(y).shape[-1]
-                return (n, found[1], found[2]) if fq4_block_ok(found[1], n_cols) else None
-    return None
+    n = users[0]
+    for name in _FQ4_PATH:
+        n = next((u for u in n.users if is_call(u, name)), None)
+        if n is None:
+            return None
+    found = fq4_ue8m0_input(n)
+    if found is None or found[0] is not y or n.args[1] != dtype(y) or not fq4_block_ok(found[1], val(y).shape[-1]):
+        return None
+    return n, found[1], found[2]
 
 
 class Hadamard(Rewrite):
