@@ -64,15 +64,17 @@ SCORE_CONFIGS = {  # name: (BN, QB, num_warps, num_stages, blocks_per_prog)
     "128x256 w8 s2": dict(BN=128, QB=8, num_warps=8, num_stages=2, blocks_per_prog=64),
     "256x128 w8 s2": dict(BN=256, QB=4, num_warps=8, num_stages=2, blocks_per_prog=32),
 }
-TOPK_CONFIGS = {  # NS chunks per row (CH = N / NS columns each), CAP candidates, TILE columns per compaction step
-    "default NS2048 tile2048 w8": dict(),
-    "tile4096 w8": dict(TILE=4096),
-    "tile1024 w4": dict(TILE=1024, num_warps=4),
-    "tile2048 w4": dict(num_warps=4),
-    "NS4096": dict(NS=4096),  # chunks of N / NS columns (32 at N 131,072, 8 at 32,768)
-    "NS4096 tile1024 w4": dict(NS=4096, TILE=1024, num_warps=4),
-    "NS1024": dict(NS=1024),
+TOPK_CONFIGS = {  # NS chunks per row (CH = N / NS columns each), TILE columns per compaction step, warps; "default":
+    # ``default_topk_config`` at this N (rows with their own bound)
+    "default": dict(),
+    "NS2048 tile2048 w8": dict(NS=2048, TILE=2048, num_warps=8),  # every row's default before round 35 (K 512)
+    "tile4096 w8": dict(TILE=4096, num_warps=8),
+    "tile2048 w8": dict(TILE=2048, num_warps=8),
+    "tile2048 w4": dict(TILE=2048, num_warps=4),
     "NS1024 tile1024 w4": dict(NS=1024, TILE=1024, num_warps=4),
+    "NS2048 tile1024 w4": dict(NS=2048, TILE=1024, num_warps=4),
+    "NS4096 tile1024 w4": dict(NS=4096, TILE=1024, num_warps=4),
+    "NS8192 tile1024 w4": dict(NS=8192, TILE=1024, num_warps=4),
 }
 
 
@@ -295,7 +297,7 @@ def main() -> None:
                 rec = dict(error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200])
                 common.say(f"  {name:<34} FAILED {rec['error']}")
             res["topk"]["configs"][name] = rec
-        d = res["topk"]["configs"].get("default NS2048 tile2048 w8", {})
+        d = res["topk"]["configs"].get("default", {})
         res["checks"]["topk_overlap"] = d.get("overlap")
         f = res["topk"]["configs"].get("fused bound (chunk maxima from score)", {})
         good = {n: r for n, r in res["topk"]["configs"].items() if r.get("overlap", 0) >= 0.99 and n != "bf16 scores"}

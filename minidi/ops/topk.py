@@ -216,22 +216,34 @@ def _topk_kernel(
     tl.store(orow + p, tl.full((KP,), -1, tl.int64), mask=(p >= n_take) & (p < K))
 
 
-LONG_ROW = 65536  # columns from which the GPU top-k takes twice the chunks and narrower tiles (default_topk_config)
+LONG_ROW = 65536  # columns from which the GPU top-k takes 8K-wide chunk counts (default_topk_config)
+CHUNK_COLS = 16  # columns per chunk the GPU top-k aims at on rows shorter than LONG_ROW
 
 
 def default_topk_config(k: int, n: int = 0) -> dict:
     """NS chunks per row (>= 2K so ~K of them are active), CAP candidates, G chunks per compaction tile; ``n`` the
-    row's columns. On the GPU, rows of at least ``LONG_ROW`` columns take 8K chunks, 1,024-column tiles and 4 warps:
-    at [4,096, 65,536], K 512, H100 (round 35, ``bench_indexer.py --only topk --keys 65536``) 0.864 ms for the bound and
-    the top-k against 1.030 with 4K chunks, 2,048-column tiles and 8 warps (the same picks); shorter rows (V4-Flash's
-    32,768, the candidate layers' 16,384) were not measured and keep the latter, as does a bound from the score
-    kernel's chunk maxima (measured with it: ``n`` 0)."""
+    row's columns (0: the bound comes from the score kernel's chunk maxima). On the GPU, a row with its own bound takes
+    1,024-column tiles on 4 warps, and NS chunks of about 16 columns (between 2 K and 4 K of them) below ``LONG_ROW``
+    columns, NS = 8 K (at most 8,192) from there.
+    One H100, K 512, the same picks as torch.topk in each case (``bench_indexer.py --only topk --keys N``):
+
+    | N | config | ms | before |
+    |---|---|---|---|
+    | 65,536 (V4.1's full-score layers) | NS 4,096 | 0.864 | 1.030 (NS 2,048, 2,048-column tiles, 8 warps; round 35) |
+    | 32,768 (V4-Flash's ratio-4 layers) | NS 2,048 | 0.632 | 0.744 (round 36) |
+    | 16,384 (V4.1's candidate layers) | NS 1,024 | 0.502 | 0.641 (round 36) |
+
+    The fused bound keeps NS 4 K, 2,048-column tiles and 8 warps (measured with them)."""
     kp = triton.next_power_of_2(max(k, 1))
+    cap = min(max(1024, 8 * kp), 16384)
     if interpreting():
         return dict(NS=max(16, 4 * kp), CAP=max(64, 8 * kp), TILE=64, CPT=16, num_warps=4)
     if n >= LONG_ROW:
-        return dict(NS=min(max(256, 8 * kp), 8192), CAP=min(max(1024, 8 * kp), 16384), TILE=1024, CPT=32, num_warps=4)
-    return dict(NS=min(max(256, 4 * kp), 8192), CAP=min(max(1024, 8 * kp), 16384), TILE=2048, CPT=32, num_warps=8)
+        return dict(NS=min(max(256, 8 * kp), 8192), CAP=cap, TILE=1024, CPT=32, num_warps=4)
+    if n > 0:  # ~16 columns a chunk, between 2 K and 4 K chunks
+        ns = max(256, 2 * kp, min(4 * kp, triton.next_power_of_2(triton.cdiv(n, CHUNK_COLS))))
+        return dict(NS=min(ns, 8192), CAP=cap, TILE=1024, CPT=32, num_warps=4)
+    return dict(NS=min(max(256, 4 * kp), 8192), CAP=cap, TILE=2048, CPT=32, num_warps=8)
 
 
 def uses_fused_bound(k: int, nc: int) -> bool:
