@@ -57,12 +57,16 @@ VARIANTS = {
     "sm90_stagger_qload": dict(impl="gluon_stagger", qasync=False),  # the consumers load Q at each item's start
     "sm90_stagger_grid": dict(impl="gluon_stagger", persistent=False, qasync=False),  # ... and one CTA per item
     "sm90_stagger_bk32": dict(impl="gluon_stagger", bk=32),  # 32-key blocks, 4 stages
+    "sm90_stagger_qrope1": dict(impl="gluon_stagger", qrope=1),  # q's rotation over its chunks only, by consumer 1,
+    # consumer 0 issuing its first Q K^T over D half 0 before waiting for it
+    "sm90_stagger_qrope2": dict(impl="gluon_stagger", qrope=2),  # ... by consumer 0, behind that first Q K^T
 }
 DEFAULT = "tok_w8_bk64_s2"  # the Triton kernel's default config
 GLUON = "sm90_ws"
 SPLIT = "sm90_split"
 STAGGER = "sm90_stagger"
 STAGGER_STORES = "sm90_stagger_stores"
+QROPE = ("sm90_stagger_qrope1", "sm90_stagger_qrope2")
 TOL = dict(rtol=2**-7, atol=1e-3)  # one bf16 ulp at the output's scale (|out| ~ 0.1-0.5 here)
 
 
@@ -225,7 +229,7 @@ def main() -> None:
     # compiled as the step compiles them (minidi.compile, no passes, faithful rounding: no FMA contraction)
     rot_q = minidi.compile(lambda x, c, s_: apply_rope(x, c, s_), "none", dynamic=False)
     rot_o = minidi.compile(lambda x, c, s_: apply_rope(x, c, s_, inverse=True), "none", dynamic=False)
-    rot_names = [] if args.no_rotations else (DEFAULT, GLUON, SPLIT, STAGGER, STAGGER_STORES)
+    rot_names = [] if args.no_rotations else (DEFAULT, GLUON, SPLIT, STAGGER, STAGGER_STORES, *QROPE)
     for vname in [v for v in rot_names if v in args.variants.split(",")]:
         cfg = VARIANTS[vname]
         try:

@@ -42,6 +42,11 @@ QASYNC = True  # the producer copies each item's Q as soon as the previous item'
 BK = 64  # keys per block (a pair is 128 keys)
 STAGES = {64: 2, 32: 4}  # stages per block size: Q 64 KB + 2 x 64 KB (+ 2 x 8 KB P) or 4 x 32 KB (+ 2 x 4 KB)
 OTMA = True  # the output through shared memory (4 [64, 64] chunks per consumer) and bulk tensor stores (round 26)
+# who applies q's rotation to the copied Q (QASYNC): 0 consumer 1, over Q's whole half 1, before either consumer's first
+# Q K^T (rounds 24-35); 1 consumer 1, over the 64-column chunks that hold the rotated channels only, consumer 0 waiting
+# for it after issuing its first Q K^T over D half 0 (which no rotation touches); 2 consumer 0 itself, over those
+# chunks, while its first Q K^T over D half 0 runs, consumer 1 waiting for it
+QROPE = 0
 
 
 if ws.HAVE_GLUON:
@@ -144,6 +149,27 @@ if ws.HAVE_GLUON:
         qh.store(gl.convert_layout(y, ld_l))
 
     @gluon.jit
+    def _rope_q_tail(qh, cos_ptr, sin_ptr, t, D: gl.constexpr, R2: gl.constexpr):
+        """``_rope_q_smem`` over the trailing 64-column chunks of Q's half 1 that hold the 2 R2 rotated channels
+        (one chunk at V4.1's R2 = 32, a quarter of the half): the same products, sums and bf16 rounding; the other
+        channels are neither read nor written."""
+        HALF: gl.constexpr = D // 2
+        RB: gl.constexpr = 64 * ((2 * R2 + 63) // 64)  # whole 128-byte swizzle chunks
+        ld_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # [64, 64] per 4 warps x 8 lanes
+        qt = qh.slice(HALF - RB, RB, dim=1)
+        x = qt.load(ld_l).to(gl.float32)
+        x0, x1 = gl.split(gl.reshape(x, [64, RB // 2, 2]))  # [64, RB/2] each: even / odd channels
+        d0 = D - RB + 2 * gl.arange(0, RB // 2, layout=gl.SliceLayout(0, x0.type.layout))
+        rot = d0 >= D - 2 * R2
+        pair = gl.where(rot, (d0 - (D - 2 * R2)) // 2, 0)
+        c = gl.load(cos_ptr + t * R2 + pair, mask=rot, other=1.0)[None, :]
+        sn = gl.load(sin_ptr + t * R2 + pair, mask=rot, other=0.0)[None, :]
+        y0 = gl.where(rot[None, :], _mul_rn(x0, c) + _mul_rn(x1, -sn), x0)  # even: x0 c - x1 s
+        y1 = gl.where(rot[None, :], _mul_rn(x1, c) + _mul_rn(x0, sn), x1)  # odd: x1 c + x0 s
+        y = gl.reshape(gl.join(y0, y1), [64, RB]).to(gl.bfloat16)
+        qt.store(gl.convert_layout(y, ld_l))
+
+    @gluon.jit
     def _wg0_pair(sp, code, i0, mj, pj, m_i, l_i, acc, scale, k_smem, p_smem, m0_smem, m1_smem, m_ready, p_ready,
                   k_free, NS: gl.constexpr, p_l: gl.constexpr):
         """Consumer 0, the pair of blocks i0 (its own, scores sp) and i0 + 1: softmax at its own running max, P V of
@@ -179,13 +205,22 @@ if ws.HAVE_GLUON:
 
     @gluon.jit
     def _consumer0(q_smem, k_smem, p_smem, m0_smem, m1_smem, k_ready, k_free, m_ready, p_ready, q_bar, code_row,
-                   n_keys, n_pairs, ib, mb, pb, scale, acc, m_i, l_i, BK: gl.constexpr, NS: gl.constexpr,
-                   s_l: gl.constexpr, p_l: gl.constexpr, QASYNC: gl.constexpr, OTMA: gl.constexpr):
-        """Consumer 0's loop over one item's pairs (ib / mb / pb: the CTA's earlier blocks / max phases / P phases);
-        the next pair's Q K^T is issued behind this pair's second P V, its half 0 before block 2 j + 1's half 0 is
-        freed."""
+                   n_keys, n_pairs, ib, mb, pb, scale, acc, m_i, l_i, cos_ptr, sin_ptr, t, it, BK: gl.constexpr,
+                   NS: gl.constexpr, s_l: gl.constexpr, p_l: gl.constexpr, QASYNC: gl.constexpr, OTMA: gl.constexpr,
+                   D: gl.constexpr, R2: gl.constexpr, ROPE_Q: gl.constexpr, QROPE: gl.constexpr):
+        """Consumer 0's loop over one item's pairs (ib / mb / pb: the CTA's earlier blocks / max phases / P phases;
+        it: the CTA's item count); the next pair's Q K^T is issued behind this pair's second P V, its half 0 before
+        block 2 j + 1's half 0 is freed. QROPE 1 / 2 (with QASYNC and ROPE_Q): q's rotated channels, which lie in D
+        half 1, are waited for / rotated here, after the first Q K^T over D half 0 is issued."""
         code = _codes(code_row, 0, n_keys, BK, s_l)
         tok_s = _qk_half(q_smem, k_smem, k_ready, ib, 0, gl.zeros([64, BK], gl.float32, s_l), False, NS)
+        if QASYNC and ROPE_Q and QROPE == 1:  # consumer 1 rotates them
+            mbarrier.wait(q_bar.index(2), it & 1)
+            fence_async_shared()
+        if QASYNC and ROPE_Q and QROPE == 2:  # this consumer rotates them, its Q K^T over half 0 in flight
+            _rope_q_tail(q_smem.index(1), cos_ptr, sin_ptr, t, D, R2)
+            fence_async_shared()  # generic-proxy stores that both consumers' wgmma read
+            _arrive(q_bar.index(2))
         sp = warpgroup_mma_wait(0, deps=(_qk_half(q_smem, k_smem, k_ready, ib, 1, tok_s, True, NS),))
         _out_drained(OTMA)  # the previous item's output left this consumer's P buffer (long done by now)
         for j in range(n_pairs - 1):
@@ -255,7 +290,7 @@ if ws.HAVE_GLUON:
                           m_mine, m_other, m0_smem, m1_smem, k_ready, k_free, q_bar, m_ready, p_ready, H, n_keys,
                           n_pairs, n_items, scale, HID: gl.constexpr, D: gl.constexpr, BK: gl.constexpr,
                           NS: gl.constexpr, ROPE_Q: gl.constexpr, ROPE_OUT: gl.constexpr, R2: gl.constexpr,
-                          QASYNC: gl.constexpr, OTMA: gl.constexpr, OC: gl.constexpr):
+                          QASYNC: gl.constexpr, OTMA: gl.constexpr, OC: gl.constexpr, QROPE: gl.constexpr):
         """Consumer HID over this CTA's work items (item w: token w // (H / 64), head block w % (H / 64): out's
         rows 64 w .. 64 w + 63 of [T H, D])."""
         HALF: gl.constexpr = D // 2
@@ -273,15 +308,24 @@ if ws.HAVE_GLUON:
             it = (w - pid) // n_prog  # this CTA's item count so far
             t = (w // n_hb).to(gl.int64)
             hb = w % n_hb
-            if QASYNC:  # the producer copies Q; q's rotation is applied in place by consumer 1
+            if QASYNC:  # the producer copies Q; q's rotation is applied in place (QROPE: by which consumer, when)
                 mbarrier.wait(q_bar.index(0), it & 1)
                 if ROPE_Q:
-                    if HID == 1:
-                        _rope_q_smem(q_smem.index(1), cos_ptr, sin_ptr, t, D, R2)
-                        fence_async_shared()
-                        _arrive(q_bar.index(2))
+                    if QROPE == 0:
+                        if HID == 1:
+                            _rope_q_smem(q_smem.index(1), cos_ptr, sin_ptr, t, D, R2)
+                            fence_async_shared()
+                            _arrive(q_bar.index(2))
+                        else:
+                            mbarrier.wait(q_bar.index(2), it & 1)
+                    elif QROPE == 1:
+                        if HID == 1:  # consumer 0 waits for it in _consumer0, behind its first Q K^T over half 0
+                            _rope_q_tail(q_smem.index(1), cos_ptr, sin_ptr, t, D, R2)
+                            fence_async_shared()
+                            _arrive(q_bar.index(2))
                     else:
-                        mbarrier.wait(q_bar.index(2), it & 1)
+                        if HID == 1:  # consumer 0 rotates them in _consumer0
+                            mbarrier.wait(q_bar.index(2), it & 1)
                 fence_async_shared()  # cp.async / generic stores of Q; the wgmma reads it (async proxy)
             else:
                 q_smem.index(HID).store(_q_half(q_ptr, cos_ptr, sin_ptr, t, hb, H, HID, D, ROPE_Q, R2))
@@ -300,7 +344,8 @@ if ws.HAVE_GLUON:
             if HID == 0:
                 acc, m_i, l_i = _consumer0(q_smem, k_smem, p_smem, m0_smem, m1_smem, k_ready, k_free, m_ready,
                                            p_ready, q_bar, code_row, n_keys, n_pairs, ib, mb, pb, scale, acc, m_i,
-                                           l_i, BK, NS, s_l, p_l, QASYNC, OTMA)
+                                           l_i, cos_ptr, sin_ptr, t, it, BK, NS, s_l, p_l, QASYNC, OTMA, D, R2,
+                                           ROPE_Q, QROPE)
             else:
                 acc, m_i, l_i = _consumer1(q_smem, k_smem, p_smem, m0_smem, m1_smem, k_ready, k_free, m_ready,
                                            p_ready, q_bar, code_row, n_keys, n_pairs, ib, mb, pb, scale, acc, m_i,
@@ -325,7 +370,7 @@ if ws.HAVE_GLUON:
                                        NS: gl.constexpr, PW: gl.constexpr, P_REGS: gl.constexpr,
                                        C_REGS: gl.constexpr, ROPE_Q: gl.constexpr, ROPE_OUT: gl.constexpr,
                                        R2: gl.constexpr, QASYNC: gl.constexpr,
-                                       OTMA: gl.constexpr, OC: gl.constexpr):
+                                       OTMA: gl.constexpr, OC: gl.constexpr, QROPE: gl.constexpr):
         """o_desc: out [T H, D] as a bulk-store descriptor of [64, OC] boxes (OTMA; else any value, unused)."""
         HALF: gl.constexpr = D // 2
         M: gl.constexpr = 64
@@ -365,11 +410,11 @@ if ws.HAVE_GLUON:
             (_consumer_stagger, (q_ptr, out_ptr, o_desc, code_ptr, sink_ptr, cos_ptr, sin_ptr, q_smem, k_smem, p_smem,
                                  l0_smem, l1_smem, m0_smem, m1_smem, k_ready, k_free, q_bar, m_ready, p_ready, H,
                                  n_keys, n_pairs, n_items, scale, 0, D, BK, NS, ROPE_Q, ROPE_OUT, R2, QASYNC, OTMA,
-                                 OC)),
+                                 OC, QROPE)),
             (_consumer_stagger, (q_ptr, out_ptr, o_desc, code_ptr, sink_ptr, cos_ptr, sin_ptr, q_smem, k_smem, p_smem,
                                  l1_smem, l0_smem, m0_smem, m1_smem, k_ready, k_free, q_bar, m_ready, p_ready, H,
                                  n_keys, n_pairs, n_items, scale, 1, D, BK, NS, ROPE_Q, ROPE_OUT, R2, QASYNC, OTMA,
-                                 OC)),
+                                 OC, QROPE)),
             (_producer_halves, (kv_ptr, code_ptr, q_ptr, k_smem, q_smem, k_ready, k_free, q_bar, comp_off, n_keys,
                                 n_pairs, n_items, H, D, BK, NS, PW, QASYNC)),
         ], [4, PW], [C_REGS, P_REGS])
@@ -379,13 +424,17 @@ def launch_sm90_stagger(q: torch.Tensor, window_kv: torch.Tensor, code: torch.Te
                         out: torch.Tensor, comp_off: int, scale: float, rope_cos: torch.Tensor | None = None,
                         rope_sin: torch.Tensor | None = None, rope_mode: int = 0, info: dict | None = None,
                         bk: int = BK, c_regs: int = C_REGS, p_regs: int = P_REGS,
-                        persistent: bool = PERSISTENT, qasync: bool = QASYNC, otma: bool = OTMA) -> None:
+                        persistent: bool = PERSISTENT, qasync: bool = QASYNC, otma: bool = OTMA,
+                        qrope: int = QROPE) -> None:
     """``launch_sm90_split``'s contract, the staggered consumers (``_sparse_attention_sm90_stagger``) with ``bk`` keys
     per block (64: 2 stages, 32: 4 stages); ``persistent``: one CTA per SM looping over the (token, head block) items
     (else one CTA per item); ``qasync``: the producer copies each item's Q as soon as the previous item's last Q K^T
     is done (q's rotation then applied in shared memory), instead of the consumers loading it at the item's start;
     ``otma``: the output through shared memory and bulk tensor stores (64-key blocks only: it reuses P's 128-byte
-    swizzled buffers; a 16-byte aligned out), instead of 4-byte stores from the accumulators."""
+    swizzled buffers; a 16-byte aligned out), instead of 4-byte stores from the accumulators; ``qrope``: who
+    rotates the copied Q and when (``QROPE``'s values)."""
+    if qrope not in (0, 1, 2):
+        raise ValueError(f"sparse_attention sm90 stagger: qrope must be 0, 1 or 2, got {qrope!r}")
     t, h, d = q.shape
     if t == 0:
         return
@@ -399,9 +448,9 @@ def launch_sm90_stagger(q: torch.Tensor, window_kv: torch.Tensor, code: torch.Te
     kernel = _sparse_attention_sm90_stagger[(grid,)](
         q, window_kv, code, sink, out, o_desc, rope_cos, rope_sin, comp_off, h, code.shape[1], n_items,
         float(scale), D=d, BK=bk, NS=ns, PW=PW, P_REGS=p_regs, C_REGS=c_regs, ROPE_Q=bool(rope_mode & 1),
-        ROPE_OUT=bool(rope_mode & 2), R2=r2, QASYNC=qasync, OTMA=otma, OC=OC, num_warps=4,
+        ROPE_OUT=bool(rope_mode & 2), R2=r2, QASYNC=qasync, OTMA=otma, OC=OC, QROPE=qrope, num_warps=4,
         maxnreg=MAXNREG)
     if info is not None:
         info.update(impl="gluon_sm90_stagger", grid=grid, BK=bk, NS=ns, PW=PW, c_regs=c_regs, p_regs=p_regs,
-                    persistent=persistent, qasync=qasync, otma=otma)
+                    persistent=persistent, qasync=qasync, otma=otma, qrope=qrope)
         ws.kernel_info(kernel, info)
