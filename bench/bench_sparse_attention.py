@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 import minidi
-from minidi.model.layers import apply_rope
+from minidi.model.layers import apply_rope, rms_norm
 from minidi.model.sparse_attention import sparse_attention_naive
 from minidi.ops.sparse_attention import ROPE_OUT, ROPE_Q, encode_slots, launch
 
@@ -57,8 +57,10 @@ VARIANTS = {
     "sm90_stagger_qload": dict(impl="gluon_stagger", qasync=False),  # the consumers load Q at each item's start
     "sm90_stagger_grid": dict(impl="gluon_stagger", persistent=False, qasync=False),  # ... and one CTA per item
     "sm90_stagger_bk32": dict(impl="gluon_stagger", bk=32),  # 32-key blocks, 4 stages
+    "sm90_stagger_qrope0": dict(impl="gluon_stagger", qrope=0),  # q's rotation over Q's whole half 1, by consumer
+    # 1, before either consumer's first Q K^T (the default until round 36)
     "sm90_stagger_qrope1": dict(impl="gluon_stagger", qrope=1),  # q's rotation over its chunks only, by consumer 1,
-    # consumer 0 issuing its first Q K^T over D half 0 before waiting for it
+    # consumer 0 issuing its first Q K^T over D half 0 before waiting for it (the default since round 36)
     "sm90_stagger_qrope2": dict(impl="gluon_stagger", qrope=2),  # ... by consumer 0, behind that first Q K^T
 }
 DEFAULT = "tok_w8_bk64_s2"  # the Triton kernel's default config
@@ -66,7 +68,7 @@ GLUON = "sm90_ws"
 SPLIT = "sm90_split"
 STAGGER = "sm90_stagger"
 STAGGER_STORES = "sm90_stagger_stores"
-QROPE = ("sm90_stagger_qrope1", "sm90_stagger_qrope2")
+QROPE = ("sm90_stagger_qrope0", "sm90_stagger_qrope1", "sm90_stagger_qrope2")
 TOL = dict(rtol=2**-7, atol=1e-3)  # one bf16 ulp at the output's scale (|out| ~ 0.1-0.5 here)
 
 
@@ -255,6 +257,28 @@ def main() -> None:
                 rotation_kernel_gbps=2 * q_raw.numel() * 2 / ms_r / 1e6)
         except Exception as e:
             rows.append(("rotations", float("nan"), False, float("nan"), f"{type(e).__name__}: {e}"[:200]))
+
+    # V4's per-head q RMSNorm before the rotation, folded as q's row scales (pass A's q_scale): the op after Inductor's
+    # rsqrt reduction against the op after Inductor's whole norm (the normalised q written and read back)
+    if STAGGER in args.variants.split(",") and not args.no_rotations:
+        try:
+            norm = minidi.compile(lambda x: rms_norm(x, None, 1e-6), "none", dynamic=False)
+            rsq = minidi.compile(lambda x: torch.rsqrt(x.float().square().mean(-1, keepdim=True) + 1e-6), "none",
+                                 dynamic=False)
+            rope = dict(rope_cos=cos, rope_sin=sin, rope_mode=ROPE_Q | ROPE_OUT)
+            folded = launch(q_raw, *inputs[1:], q_scale=rsq(q_raw), **rope)
+            same = bool(torch.equal(folded, launch(norm(q_raw), *inputs[1:], **rope)))
+            ms_f = bench_ms(lambda: launch(q_raw, *inputs[1:], q_scale=rsq(q_raw), **rope))
+            ms_u = bench_ms(lambda: launch(norm(q_raw), *inputs[1:], **rope))
+            ms_n, ms_s = bench_ms(lambda: norm(q_raw)), bench_ms(lambda: rsq(q_raw))
+            rows.append((f"{STAGGER} + q norm folded (q_scale)", ms_f, same, 0.0,
+                         f"Inductor's rsqrt {ms_s:.3f} ms inside; ok = bit-equal to the unfused"))
+            rows.append((f"{STAGGER} + Inductor's q norm", ms_u, True, 0.0, f"the norm kernel {ms_n:.3f} ms inside"))
+            result["q_norm"] = dict(folded_ms=ms_f, unfused_ms=ms_u, norm_kernel_ms=ms_n, rsqrt_kernel_ms=ms_s,
+                                    bit_equal=same, norm_kernel_gbps=2 * q_raw.numel() * 2 / ms_n / 1e6,
+                                    rsqrt_kernel_gbps=q_raw.numel() * 2 / ms_s / 1e6)
+        except Exception as e:
+            rows.append(("q norm", float("nan"), False, float("nan"), f"{type(e).__name__}: {e}"[:200]))
 
     if args.picked_sweep:
         result["picked_sweep"] = picked_sweep(args, [int(k) for k in args.picked_sweep.split(",")], T, H, D, W)

@@ -57,22 +57,39 @@ def _product(a, b, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _rope_load(q_ptr, q_rows, offs, ok, h_ok, cos_ptr, sin_ptr, t, D: tl.constexpr, R2: tl.constexpr,
-               ROUND_BF16: tl.constexpr, INTERPRET: tl.constexpr):
-    """q [BH, len(offs)] with its trailing 2 R2 channels of D rotated (pairs 2i, 2i+1; rope_ref's math: each
-    product rounded, then the sum) and rounded to q's dtype; the partner of channel d is loaded from d ^ 1."""
-    x = tl.load(q_ptr + q_rows[:, None] + offs[None, :], mask=h_ok[:, None] & ok[None, :], other=0.0)
-    rot = ok & (offs >= D - 2 * R2)  # [len]
-    pair = tl.where(rot, (offs - (D - 2 * R2)) // 2, 0)
-    c = tl.load(cos_ptr + t * R2 + pair, mask=rot, other=1.0)
-    s = tl.load(sin_ptr + t * R2 + pair, mask=rot, other=0.0)
-    s = tl.where(offs % 2 == 0, -s, s)  # even: x0 c - x1 s; odd: x1 c + x0 s
-    xp = tl.load(q_ptr + q_rows[:, None] + (offs ^ 1)[None, :], mask=h_ok[:, None] & rot[None, :], other=0.0)
-    y = _product(x.to(tl.float32), c[None, :], INTERPRET) + _product(xp.to(tl.float32), s[None, :], INTERPRET)
-    y = _round_p(y, ROUND_BF16, INTERPRET)
-    if INTERPRET:  # keep fp32 storage there (its bf16 arithmetic is wrong; mma upcasts anyway)
-        return tl.where(rot[None, :], y, x.to(tl.float32))
-    return tl.where(rot[None, :], y, x)
+def _scaled(x, qs, QNORM: tl.constexpr, ROUND_BF16: tl.constexpr, INTERPRET: tl.constexpr):
+    """x [BH, n] as the attention reads q, in fp32: with QNORM, x * qs[:, None] in fp32 rounded to q's dtype
+    (``scale_q``); without, x as it is."""
+    if QNORM:
+        y = _round_p(x.to(tl.float32) * qs[:, None], ROUND_BF16, INTERPRET).to(tl.float32)
+    else:
+        y = x.to(tl.float32)
+    return y
+
+
+@triton.jit
+def _rope_load(q_ptr, q_rows, offs, ok, h_ok, cos_ptr, sin_ptr, t, qs, D: tl.constexpr, R2: tl.constexpr,
+               ROPE: tl.constexpr, QNORM: tl.constexpr, ROUND_BF16: tl.constexpr, INTERPRET: tl.constexpr):
+    """q [BH, len(offs)] scaled by qs (QNORM: ``_scaled``), then (ROPE) its trailing 2 R2 channels of D rotated
+    (pairs 2i, 2i+1; rope_ref's math: each product rounded, then the sum) and rounded to q's dtype; the partner of
+    channel d is loaded from d ^ 1. fp32 storage in the interpreter (its bf16 arithmetic is wrong; mma upcasts
+    anyway), q's dtype elsewhere."""
+    x = _scaled(tl.load(q_ptr + q_rows[:, None] + offs[None, :], mask=h_ok[:, None] & ok[None, :], other=0.0), qs,
+                QNORM, ROUND_BF16, INTERPRET)
+    if ROPE:
+        rot = ok & (offs >= D - 2 * R2)  # [len]
+        pair = tl.where(rot, (offs - (D - 2 * R2)) // 2, 0)
+        c = tl.load(cos_ptr + t * R2 + pair, mask=rot, other=1.0)
+        s = tl.load(sin_ptr + t * R2 + pair, mask=rot, other=0.0)
+        s = tl.where(offs % 2 == 0, -s, s)  # even: x0 c - x1 s; odd: x1 c + x0 s
+        xp = _scaled(tl.load(q_ptr + q_rows[:, None] + (offs ^ 1)[None, :], mask=h_ok[:, None] & rot[None, :],
+                             other=0.0), qs, QNORM, ROUND_BF16, INTERPRET)
+        y = _round_p(_product(x, c[None, :], INTERPRET) + _product(xp, s[None, :], INTERPRET), ROUND_BF16,
+                     INTERPRET).to(tl.float32)
+        x = tl.where(rot[None, :], y, x)
+    if not INTERPRET:
+        x = x.to(q_ptr.dtype.element_ty)
+    return x
 
 
 @triton.jit
@@ -93,6 +110,19 @@ def _rope_stage(q_ptr, out_ptr, q_rows, h_ok, cos_ptr, sin_ptr, t, D: tl.constex
     xp = tl.load(q_ptr + q_rows[:, None] + (offs ^ 1)[None, :], mask=m, other=0.0).to(tl.float32)
     y = _round_p(_product(x, c[None, :], INTERPRET) + _product(xp, s[None, :], INTERPRET), ROUND_BF16, INTERPRET)
     tl.store(out_ptr + q_rows[:, None] + offs[None, :], y.to(out_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _qnorm_stage(q_ptr, out_ptr, q_rows, h_ok, qs, cos_ptr, sin_ptr, t, D: tl.constexpr, R2: tl.constexpr,
+                 BD: tl.constexpr, ROPE: tl.constexpr, ROUND_BF16: tl.constexpr, INTERPRET: tl.constexpr):
+    """``_rope_stage`` for a scaled q (QNORM): every channel of q's rows, scaled (``_scaled``) and, with ROPE, its
+    trailing 2 R2 rotated, written into the same rows of ``out``; the Q@K^T dot then loads the whole of q from there.
+    BD: D rounded up to a power of two."""
+    offs = tl.arange(0, BD)
+    q = _rope_load(q_ptr, q_rows, offs, offs < D, h_ok, cos_ptr, sin_ptr, t, qs, D, R2, ROPE, True, ROUND_BF16,
+                   INTERPRET)
+    tl.store(out_ptr + q_rows[:, None] + offs[None, :], q.to(out_ptr.dtype.element_ty),
+             mask=h_ok[:, None] & (offs < D)[None, :])
 
 
 @triton.jit

@@ -37,7 +37,9 @@ twice). Either way the kernel is capped at 2/3 of the tensor-core peak.
 
 ``rope_mode`` (pass A folds the model's rotations in; ``docs/ops/sparse_attention.md``): ``ROPE_Q`` rotates q's
 trailing 2 r2 channels by (cos, sin) as the kernel loads it, ``ROPE_OUT`` rotates the output's back as it stores it,
-each with ``apply_rope``'s arithmetic and roundings (``rope_ref`` is its twin).
+each with ``apply_rope``'s arithmetic and roundings (``rope_ref`` is its twin). ``q_scale`` (pass A folds V4's per-head
+unweighted q RMSNorm in): q becomes bf16(q * q_scale) as the kernel loads it, before the rotation, so the normalised
+q is never written to memory; the scale, rsqrt(mean(q^2) + eps) per (token, head), is computed outside.
 
 Legend: T queries, H heads, D head dim, W window slots, K compressed slots, Nw / Nc cache rows,
 BH heads per program, BK key slots per step, BD = next_pow2(D), DV = BD / nsplit output columns per program.
@@ -51,8 +53,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._sparse_attention_rope import (ROPE_OUT, ROPE_Q, _rope_load, _rope_stage, _rope_store_values, _round_p,
-                                     rope_ref)
+from ._sparse_attention_rope import (ROPE_OUT, ROPE_Q, _qnorm_stage, _rope_load, _rope_stage, _rope_store_values,
+                                     _round_p, rope_ref)
 from . import sparse_attention_sm90 as sm90
 from . import sparse_attention_sm90_split as sm90_split
 from . import sparse_attention_sm90_stagger as sm90_stagger
@@ -67,19 +69,28 @@ MAX_D = 512  # the [BH, D] fp32 accumulator must fit one SM's registers
 def sparse_attention_ref(q: torch.Tensor, window_kv: torch.Tensor, window_idx: torch.Tensor,
                          comp_kv: torch.Tensor | None, comp_idx: torch.Tensor | None, sink: torch.Tensor,
                          scale: float, rope_cos: torch.Tensor | None = None, rope_sin: torch.Tensor | None = None,
-                         rope_mode: int = 0) -> torch.Tensor:
+                         rope_mode: int = 0, q_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Plain torch, the naive path's math (test oracle and fallback). Shapes and dtypes as ``sparse_attention``;
-    ``rope_mode`` bits (``ROPE_Q``, ``ROPE_OUT``): ``rope_ref`` of q before, of the output (inverse) after.
+    ``rope_mode`` bits (``ROPE_Q``, ``ROPE_OUT``): ``rope_ref`` of q before, of the output (inverse) after;
+    ``q_scale``: ``scale_q`` of q first.
 
     A deliberate twin of ``minidi.model.sparse_attention.sparse_attention_naive`` (the ops import nothing of the
     model); ``tests/ops/test_sparse_attention.py::test_ref_is_the_model_naive_function`` holds the two bit-equal.
 
     A query with no valid key returns NaN here (0/0), as the naive path does; the kernel returns 0 there.
     """
+    if q_scale is not None:
+        q = scale_q(q, q_scale)
     if rope_mode & ROPE_Q:
         q = rope_ref(q, rope_cos, rope_sin)
     out = _attention_ref(q, window_kv, window_idx, comp_kv, comp_idx, sink, scale)
     return rope_ref(out, rope_cos, rope_sin, inverse=True) if rope_mode & ROPE_OUT else out
+
+
+def scale_q(q: torch.Tensor, q_scale: torch.Tensor) -> torch.Tensor:
+    """q [T, H, D] times its per-(token, head) scale ([T, H] or [T, H, 1] fp32) in fp32, rounded to q's dtype: the
+    model's ``rms_norm(q, None, eps)`` given its rsqrt (``minidi.model.layers.rms_norm``; a test holds them equal)."""
+    return (q.float() * q_scale.reshape(q.shape[0], q.shape[1], 1)).to(q.dtype)
 
 
 def _attention_ref(q, window_kv, window_idx, comp_kv, comp_idx, sink, scale) -> torch.Tensor:
@@ -128,11 +139,12 @@ def _encode_slots_kernel(widx_ptr, cidx_ptr, code_ptr, W, K, Nw, Nc, BLOCK: tl.c
 
 @triton.jit
 def _sparse_attention_kernel(
-    q_ptr, kv_ptr, code_ptr, sink_ptr, out_ptr, cos_ptr, sin_ptr,
+    q_ptr, kv_ptr, code_ptr, sink_ptr, out_ptr, cos_ptr, sin_ptr, qs_ptr,
     comp_off, H, n_keys, n_tiles, scale,
     D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
     NSPLIT: tl.constexpr, ROUND_BF16: tl.constexpr, IEEE: tl.constexpr,
-    ROPE_Q: tl.constexpr, ROPE_OUT: tl.constexpr, R2: tl.constexpr, RB: tl.constexpr, INTERPRET: tl.constexpr,
+    ROPE_Q: tl.constexpr, ROPE_OUT: tl.constexpr, R2: tl.constexpr, RB: tl.constexpr, QNORM: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):
     """Tiles (token t, head block hb, D part) in that order, fastest last; a grid smaller than n_tiles loops."""
     pid = tl.program_id(0)
@@ -150,23 +162,33 @@ def _sparse_attention_kernel(
         offs_d = dpart * DV + tl.arange(0, DV)  # [DV] own columns: PV output and one Q@K^T chunk
         d_ok = (offs_d < D) | (D == BLOCK_D)  # constant-true when D fills the block: masks stay per row
         q_rows = (t * H + offs_h) * D  # [BH]
-        if ROPE_Q and NSPLIT == 1:  # q's rotation staged in out's rows, then one load (the rest from q)
+        qs = tl.full([BLOCK_H], 1.0, tl.float32)  # [BH] q's row scales (QNORM)
+        if QNORM:
+            qs = tl.load(qs_ptr + t * H + offs_h, mask=h_ok, other=1.0)
+        if QNORM and NSPLIT == 1:  # the scaled (and rotated) q staged in out's rows, then one load
+            _qnorm_stage(q_ptr, out_ptr, q_rows, h_ok, qs, cos_ptr, sin_ptr, t, D, R2, BLOCK_D, ROPE_Q, ROUND_BF16,
+                         INTERPRET)
+            tl.debug_barrier()  # the staged rows are visible to every thread of the program
+            q = tl.load(out_ptr + q_rows[:, None] + offs_d[None, :], mask=h_ok[:, None] & d_ok[None, :],
+                        other=0.0)  # [BH, DV]
+        elif ROPE_Q and NSPLIT == 1:  # q's rotation staged in out's rows, then one load (the rest from q)
             _rope_stage(q_ptr, out_ptr, q_rows, h_ok, cos_ptr, sin_ptr, t, D, R2, RB, ROUND_BF16, INTERPRET)
             tl.debug_barrier()  # the staged channels are visible to every thread of the program
             rot = offs_d >= D - 2 * R2
             q = tl.load(tl.where(rot[None, :], out_ptr, q_ptr) + q_rows[:, None] + offs_d[None, :],
                         mask=h_ok[:, None] & d_ok[None, :], other=0.0)  # [BH, DV]
-        elif ROPE_Q:  # two programs share the token's rows (NSPLIT 2): rotate in registers
-            q = _rope_load(q_ptr, q_rows, offs_d, d_ok, h_ok, cos_ptr, sin_ptr, t, D, R2, ROUND_BF16, INTERPRET)
+        elif ROPE_Q or QNORM:  # two programs share the token's rows (NSPLIT 2): scale / rotate in registers
+            q = _rope_load(q_ptr, q_rows, offs_d, d_ok, h_ok, cos_ptr, sin_ptr, t, qs, D, R2, ROPE_Q, QNORM,
+                           ROUND_BF16, INTERPRET)
         else:
             q = tl.load(q_ptr + q_rows[:, None] + offs_d[None, :], mask=h_ok[:, None] & d_ok[None, :],
                         other=0.0)  # [BH, DV]
         if NSPLIT == 2:  # the other half of D, for Q@K^T only
             offs_o = (1 - dpart) * DV + tl.arange(0, DV)
             o_ok = (offs_o < D) | (D == BLOCK_D)
-            if ROPE_Q:
-                q_o = _rope_load(q_ptr, q_rows, offs_o, o_ok, h_ok, cos_ptr, sin_ptr, t, D, R2, ROUND_BF16,
-                                 INTERPRET)
+            if ROPE_Q or QNORM:
+                q_o = _rope_load(q_ptr, q_rows, offs_o, o_ok, h_ok, cos_ptr, sin_ptr, t, qs, D, R2, ROPE_Q, QNORM,
+                                 ROUND_BF16, INTERPRET)
             else:
                 q_o = tl.load(q_ptr + q_rows[:, None] + offs_o[None, :], mask=h_ok[:, None] & o_ok[None, :],
                               other=0.0)  # [BH, DV]
@@ -250,8 +272,10 @@ SM90_DEFAULT = "gluon_stagger"  # the Gluon kernel the op takes on sm_90 with no
 def launch(q: torch.Tensor, window_kv: torch.Tensor, window_idx: torch.Tensor, comp_kv: torch.Tensor | None,
            comp_idx: torch.Tensor | None, sink: torch.Tensor, scale: float, info: dict | None = None,
            rope_cos: torch.Tensor | None = None, rope_sin: torch.Tensor | None = None, rope_mode: int = 0,
-           **config) -> torch.Tensor:
+           q_scale: torch.Tensor | None = None, **config) -> torch.Tensor:
     """Run the kernel on checked inputs; ``config`` overrides ``default_config`` (the bench compares variants).
+    ``q_scale``: q's row scales (``scale_q``), applied in the kernel's Q load by the Triton kernel and the staggered
+    Gluon kernel with its Q copied ahead; for the other Gluon kernels q is scaled here first (the same values).
 
     ``impl`` in config: "gluon" forces the sm_90 Gluon kernel (``sparse_attention_sm90``; extra keys go to its
     launcher), "gluon_split" its sibling with FlashMLA's split of the work (``sparse_attention_sm90_split``),
@@ -281,13 +305,20 @@ def launch(q: torch.Tensor, window_kv: torch.Tensor, window_idx: torch.Tensor, c
     code = encode_slots(window_idx, comp_idx if k else None, window_kv.shape[0], comp_kv.shape[0])  # [T, W+K]
     out = torch.empty_like(q)
     r2 = rope_cos.shape[-1] if rope_mode else 0
+    if q_scale is not None:
+        q_scale = q_scale.reshape(t, h).contiguous()
     if impl != "triton" and not interp and (impl in SM90_KERNELS or not config):
         if sm90.can_run(q, window_kv, comp_off, r2) and w + k > 0:
             if rope_mode:
                 rope_cos, rope_sin = rope_cos.contiguous(), rope_sin.contiguous()
+            name = impl or SM90_DEFAULT
+            if q_scale is not None and sm90_stagger.scales_q(name, config):
+                config = config | dict(q_scale=q_scale)
+            elif q_scale is not None:  # a kernel without the scale in its Q load: q scaled first
+                q = scale_q(q, q_scale)
             with torch.cuda.device(q.device):
-                SM90_KERNELS[impl or SM90_DEFAULT](q, window_kv, code, sink, out, comp_off, scale, rope_cos, rope_sin,
-                                                   rope_mode, info, **config)  # the bench's knobs, if any
+                SM90_KERNELS[name](q, window_kv, code, sink, out, comp_off, scale, rope_cos, rope_sin, rope_mode, info,
+                                   **config)  # the bench's knobs, if any
             return out
         if impl in SM90_KERNELS:
             raise ValueError("sparse_attention: the sm_90 Gluon kernel cannot run here (needs an sm_90 GPU, Triton "
@@ -310,11 +341,12 @@ def launch(q: torch.Tensor, window_kv: torch.Tensor, window_idx: torch.Tensor, c
         rope_cos = rope_sin = sink
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
         kernel = _sparse_attention_kernel[(n_prog,)](
-            q, window_kv, code, sink, out, rope_cos, rope_sin, comp_off, h, w + k, n_tiles, float(scale),
+            q, window_kv, code, sink, out, rope_cos, rope_sin, sink if q_scale is None else q_scale, comp_off, h,
+            w + k, n_tiles, float(scale),
             D=d, BLOCK_H=block_h, BLOCK_K=block_k, BLOCK_D=block_d, NSPLIT=nsplit,
             ROUND_BF16=q.dtype == torch.bfloat16, IEEE=q.dtype == torch.float32,
             ROPE_Q=bool(rope_mode & ROPE_Q), ROPE_OUT=bool(rope_mode & ROPE_OUT),
-            R2=r2, RB=triton.next_power_of_2(2 * r2), INTERPRET=interp, **launch_kw)
+            R2=r2, RB=triton.next_power_of_2(2 * r2), QNORM=q_scale is not None, INTERPRET=interp, **launch_kw)
     if info is not None:
         info.update(cfg, grid=n_prog)
         if not interp and kernel is not None:
@@ -330,17 +362,19 @@ def launch(q: torch.Tensor, window_kv: torch.Tensor, window_idx: torch.Tensor, c
 def _sparse_attention_op(q: torch.Tensor, window_kv: torch.Tensor, window_idx: torch.Tensor,
                          comp_kv: torch.Tensor | None, comp_idx: torch.Tensor | None, sink: torch.Tensor,
                          scale: float, rope_cos: torch.Tensor | None = None, rope_sin: torch.Tensor | None = None,
-                         rope_mode: int = 0) -> torch.Tensor:
-    _check(q, window_kv, window_idx, comp_kv, comp_idx, sink, scale, rope_cos, rope_sin, rope_mode)
-    tensors = [x for x in (q, window_kv, window_idx, comp_kv, comp_idx, sink, rope_cos, rope_sin) if x is not None]
+                         rope_mode: int = 0, q_scale: torch.Tensor | None = None) -> torch.Tensor:
+    _check(q, window_kv, window_idx, comp_kv, comp_idx, sink, scale, rope_cos, rope_sin, rope_mode, q_scale)
+    tensors = [x for x in (q, window_kv, window_idx, comp_kv, comp_idx, sink, rope_cos, rope_sin, q_scale)
+               if x is not None]
     if not triton_can_run(*tensors):
         raise cannot_run("minidi::sparse_attention", *tensors)
     return launch(q, window_kv, window_idx, comp_kv, comp_idx, sink, scale, rope_cos=rope_cos, rope_sin=rope_sin,
-                  rope_mode=rope_mode)
+                  rope_mode=rope_mode, q_scale=q_scale)
 
 
 @_sparse_attention_op.register_fake
-def _(q, window_kv, window_idx, comp_kv, comp_idx, sink, scale, rope_cos=None, rope_sin=None, rope_mode=0):
+def _(q, window_kv, window_idx, comp_kv, comp_idx, sink, scale, rope_cos=None, rope_sin=None, rope_mode=0,
+      q_scale=None):
     return q.new_empty(q.shape)
 
 
@@ -374,7 +408,7 @@ def _check_rope(q: torch.Tensor, rope_cos, rope_sin, rope_mode) -> None:
 
 
 def _check(q, window_kv, window_idx, comp_kv, comp_idx, sink, scale, rope_cos=None, rope_sin=None,
-           rope_mode=0) -> None:
+           rope_mode=0, q_scale=None) -> None:
     if q.dim() != 3 or q.dtype not in Q_DTYPES:
         raise ValueError(f"sparse_attention: q must be [T, H, D] in {Q_DTYPES}, got {shape(q)} {q.dtype}")
     t, h, d = q.shape
@@ -396,7 +430,10 @@ def _check(q, window_kv, window_idx, comp_kv, comp_idx, sink, scale, rope_cos=No
     if not isinstance(scale, (float, int)):
         raise ValueError(f"sparse_attention: scale must be a Python float, got {type(scale).__name__}")
     _check_rope(q, rope_cos, rope_sin, rope_mode)
-    devices = {x.device for x in (q, window_kv, window_idx, comp_kv, comp_idx, sink, rope_cos, rope_sin)
+    if q_scale is not None and (q_scale.dtype != torch.float32 or q_scale.shape not in ((t, h), (t, h, 1))):
+        raise ValueError(f"sparse_attention: q_scale must be [T={t}, H={h}] or [T, H, 1] float32, got "
+                         f"{shape(q_scale)} {q_scale.dtype}")
+    devices = {x.device for x in (q, window_kv, window_idx, comp_kv, comp_idx, sink, rope_cos, rope_sin, q_scale)
                if x is not None}
     if len(devices) != 1:
         raise ValueError(f"sparse_attention: all tensors must share a device, got {sorted(map(str, devices))}")
@@ -405,7 +442,8 @@ def _check(q, window_kv, window_idx, comp_kv, comp_idx, sink, scale, rope_cos=No
 def sparse_attention(q: torch.Tensor, window_kv: torch.Tensor, window_idx: torch.Tensor,
                      comp_kv: torch.Tensor | None, comp_idx: torch.Tensor | None, sink: torch.Tensor,
                      scale: float, backend: str = "auto", rope_cos: torch.Tensor | None = None,
-                     rope_sin: torch.Tensor | None = None, rope_mode: int = 0) -> torch.Tensor:
+                     rope_sin: torch.Tensor | None = None, rope_mode: int = 0,
+                     q_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of each query over key rows read by index from two caches, with a per-head sink.
 
     q [T, H, D] bf16 or fp32; window_kv [Nw, D] and comp_kv [Nc, D] in q's dtype (one row = key and value for all
@@ -417,12 +455,14 @@ def sparse_attention(q: torch.Tensor, window_kv: torch.Tensor, window_idx: torch
     else the reference), "triton" or "ref" (plain torch). ``rope_mode`` (pass A folds the model's rotations in):
     ``ROPE_Q`` rotates q's trailing 2 r2 channels by rope_cos / rope_sin [T, r2] fp32 in the load (q is then the
     unrotated query; ``rope_ref``'s math and bf16 rounding), ``ROPE_OUT`` rotates the output's back (by -angle) in
-    the store, after its rounding to q's dtype; ``ROPE_Q | ROPE_OUT`` both.
+    the store, after its rounding to q's dtype; ``ROPE_Q | ROPE_OUT`` both. ``q_scale`` [T, H] or [T, H, 1] fp32
+    (pass A folds V4's per-head q RMSNorm): q is first replaced by bf16(q * q_scale) (``scale_q``; q's dtype), in
+    the kernel's load.
     """
-    _check(q, window_kv, window_idx, comp_kv, comp_idx, sink, scale, rope_cos, rope_sin, rope_mode)
+    _check(q, window_kv, window_idx, comp_kv, comp_idx, sink, scale, rope_cos, rope_sin, rope_mode, q_scale)
     if resolve_backend(backend, "sparse_attention", q, window_kv, window_idx, comp_kv, comp_idx, sink, rope_cos,
-                       rope_sin) == "ref":
+                       rope_sin, q_scale) == "ref":
         return sparse_attention_ref(q, window_kv, window_idx, comp_kv, comp_idx, sink, scale, rope_cos, rope_sin,
-                                    rope_mode)
+                                    rope_mode, q_scale)
     return _sparse_attention_op(q, window_kv, window_idx, comp_kv, comp_idx, sink, float(scale), rope_cos, rope_sin,
-                                rope_mode)
+                                rope_mode, q_scale)

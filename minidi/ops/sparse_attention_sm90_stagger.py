@@ -34,7 +34,8 @@ if ws.HAVE_GLUON:
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from minidi.ops._sparse_attention_out_tma import _out_drained, _store_half_tma
-    from minidi.ops.sparse_attention_sm90 import _add, _max, _mul_rn, _q_half, _store_half
+    from minidi.ops._sparse_attention_q_smem import _rope_q_smem, _rope_q_tail, _scale_q_half
+    from minidi.ops.sparse_attention_sm90 import _add, _max, _q_half, _store_half
 
 PW, MAXNREG = ws.PW, ws.MAXNREG
 PERSISTENT = True  # one CTA per SM looping over (token, head block) items
@@ -45,8 +46,9 @@ OTMA = True  # the output through shared memory (4 [64, 64] chunks per consumer)
 # who applies q's rotation to the copied Q (QASYNC): 0 consumer 1, over Q's whole half 1, before either consumer's first
 # Q K^T (rounds 24-35); 1 consumer 1, over the 64-column chunks that hold the rotated channels only, consumer 0 waiting
 # for it after issuing its first Q K^T over D half 0 (which no rotation touches); 2 consumer 0 itself, over those
-# chunks, while its first Q K^T over D half 0 runs, consumer 1 waiting for it
-QROPE = 0
+# chunks, while its first Q K^T over D half 0 runs, consumer 1 waiting for it. Round 36 (H100, the bench shape, q's
+# rotation / both): 0.726 / 0.737 ms with 0, 0.707 / 0.722 with 1, 0.710 / 0.725 with 2
+QROPE = 1
 
 
 if ws.HAVE_GLUON:
@@ -131,45 +133,6 @@ if ws.HAVE_GLUON:
         mbarrier.arrive(bar, count=1)
 
     @gluon.jit
-    def _rope_q_smem(qh, cos_ptr, sin_ptr, t, D: gl.constexpr, R2: gl.constexpr):
-        """q's rotation of its trailing 2 R2 channels applied in place to Q's half 1 ([64, D/2] bf16 in shared memory),
-        as ``_q_half`` applies it in its load: the same products (``mul.rn.f32``), sums and bf16 rounding."""
-        HALF: gl.constexpr = D // 2
-        ld_l: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])  # [64, HALF]
-        x = qh.load(ld_l).to(gl.float32)
-        x0, x1 = gl.split(gl.reshape(x, [64, HALF // 2, 2]))  # [64, HALF/2] each: even / odd channels
-        d0 = HALF + 2 * gl.arange(0, HALF // 2, layout=gl.SliceLayout(0, x0.type.layout))
-        rot = d0 >= D - 2 * R2
-        pair = gl.where(rot, (d0 - (D - 2 * R2)) // 2, 0)
-        c = gl.load(cos_ptr + t * R2 + pair, mask=rot, other=1.0)[None, :]
-        sn = gl.load(sin_ptr + t * R2 + pair, mask=rot, other=0.0)[None, :]
-        y0 = gl.where(rot[None, :], _mul_rn(x0, c) + _mul_rn(x1, -sn), x0)  # even: x0 c - x1 s
-        y1 = gl.where(rot[None, :], _mul_rn(x1, c) + _mul_rn(x0, sn), x1)  # odd: x1 c + x0 s
-        y = gl.reshape(gl.join(y0, y1), [64, HALF]).to(gl.bfloat16)
-        qh.store(gl.convert_layout(y, ld_l))
-
-    @gluon.jit
-    def _rope_q_tail(qh, cos_ptr, sin_ptr, t, D: gl.constexpr, R2: gl.constexpr):
-        """``_rope_q_smem`` over the trailing 64-column chunks of Q's half 1 that hold the 2 R2 rotated channels
-        (one chunk at V4.1's R2 = 32, a quarter of the half): the same products, sums and bf16 rounding; the other
-        channels are neither read nor written."""
-        HALF: gl.constexpr = D // 2
-        RB: gl.constexpr = 64 * ((2 * R2 + 63) // 64)  # whole 128-byte swizzle chunks
-        ld_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # [64, 64] per 4 warps x 8 lanes
-        qt = qh.slice(HALF - RB, RB, dim=1)
-        x = qt.load(ld_l).to(gl.float32)
-        x0, x1 = gl.split(gl.reshape(x, [64, RB // 2, 2]))  # [64, RB/2] each: even / odd channels
-        d0 = D - RB + 2 * gl.arange(0, RB // 2, layout=gl.SliceLayout(0, x0.type.layout))
-        rot = d0 >= D - 2 * R2
-        pair = gl.where(rot, (d0 - (D - 2 * R2)) // 2, 0)
-        c = gl.load(cos_ptr + t * R2 + pair, mask=rot, other=1.0)[None, :]
-        sn = gl.load(sin_ptr + t * R2 + pair, mask=rot, other=0.0)[None, :]
-        y0 = gl.where(rot[None, :], _mul_rn(x0, c) + _mul_rn(x1, -sn), x0)  # even: x0 c - x1 s
-        y1 = gl.where(rot[None, :], _mul_rn(x1, c) + _mul_rn(x0, sn), x1)  # odd: x1 c + x0 s
-        y = gl.reshape(gl.join(y0, y1), [64, RB]).to(gl.bfloat16)
-        qt.store(gl.convert_layout(y, ld_l))
-
-    @gluon.jit
     def _wg0_pair(sp, code, i0, mj, pj, m_i, l_i, acc, scale, k_smem, p_smem, m0_smem, m1_smem, m_ready, p_ready,
                   k_free, NS: gl.constexpr, p_l: gl.constexpr):
         """Consumer 0, the pair of blocks i0 (its own, scores sp) and i0 + 1: softmax at its own running max, P V of
@@ -207,17 +170,19 @@ if ws.HAVE_GLUON:
     def _consumer0(q_smem, k_smem, p_smem, m0_smem, m1_smem, k_ready, k_free, m_ready, p_ready, q_bar, code_row,
                    n_keys, n_pairs, ib, mb, pb, scale, acc, m_i, l_i, cos_ptr, sin_ptr, t, it, BK: gl.constexpr,
                    NS: gl.constexpr, s_l: gl.constexpr, p_l: gl.constexpr, QASYNC: gl.constexpr, OTMA: gl.constexpr,
-                   D: gl.constexpr, R2: gl.constexpr, ROPE_Q: gl.constexpr, QROPE: gl.constexpr):
+                   D: gl.constexpr, R2: gl.constexpr, ROPE_Q: gl.constexpr, QROPE: gl.constexpr,
+                   QNORM: gl.constexpr):
         """Consumer 0's loop over one item's pairs (ib / mb / pb: the CTA's earlier blocks / max phases / P phases;
         it: the CTA's item count); the next pair's Q K^T is issued behind this pair's second P V, its half 0 before
         block 2 j + 1's half 0 is freed. QROPE 1 / 2 (with QASYNC and ROPE_Q): q's rotated channels, which lie in D
-        half 1, are waited for / rotated here, after the first Q K^T over D half 0 is issued."""
+        half 1, are waited for / rotated here, after the first Q K^T over D half 0 is issued; QNORM: D half 1, scaled
+        (and rotated) by consumer 1, is waited for there too."""
         code = _codes(code_row, 0, n_keys, BK, s_l)
         tok_s = _qk_half(q_smem, k_smem, k_ready, ib, 0, gl.zeros([64, BK], gl.float32, s_l), False, NS)
-        if QASYNC and ROPE_Q and QROPE == 1:  # consumer 1 rotates them
+        if QASYNC and ((ROPE_Q and QROPE == 1) or QNORM):  # consumer 1 scales / rotates D half 1
             mbarrier.wait(q_bar.index(2), it & 1)
             fence_async_shared()
-        if QASYNC and ROPE_Q and QROPE == 2:  # this consumer rotates them, its Q K^T over half 0 in flight
+        if QASYNC and ROPE_Q and QROPE == 2 and not QNORM:  # this consumer rotates them behind its Q K^T over half 0
             _rope_q_tail(q_smem.index(1), cos_ptr, sin_ptr, t, D, R2)
             fence_async_shared()  # generic-proxy stores that both consumers' wgmma read
             _arrive(q_bar.index(2))
@@ -244,10 +209,12 @@ if ws.HAVE_GLUON:
 
     @gluon.jit
     def _consumer1(q_smem, k_smem, p_smem, m0_smem, m1_smem, k_ready, k_free, m_ready, p_ready, q_bar, code_row,
-                   n_keys, n_pairs, ib, mb, pb, scale, acc, m_i, l_i, BK: gl.constexpr, NS: gl.constexpr,
-                   s_l: gl.constexpr, p_l: gl.constexpr, QASYNC: gl.constexpr, OTMA: gl.constexpr):
+                   n_keys, n_pairs, ib, mb, pb, scale, acc, m_i, l_i, it, BK: gl.constexpr, NS: gl.constexpr,
+                   s_l: gl.constexpr, p_l: gl.constexpr, QASYNC: gl.constexpr, OTMA: gl.constexpr,
+                   QNORM: gl.constexpr):
         """Consumer 1's loop over one item's pairs: its block's Q K^T (D half 1 first), the pair max from consumer
-        0's, softmax, its P V, then consumer 0's block's P V."""
+        0's, softmax, its P V, then consumer 0's block's P V. QNORM: the item's first Q K^T over D half 0 waits for
+        consumer 0 to have scaled that half (it: the CTA's item count)."""
         o_l: gl.constexpr = acc.type.layout
         for j in range(n_pairs):
             i = ib + 2 * j + 1
@@ -255,6 +222,10 @@ if ws.HAVE_GLUON:
             s1 = i % NS
             code = _codes(code_row, 2 * j + 1, n_keys, BK, s_l)
             tok_s = _qk_half(q_smem, k_smem, k_ready, i, 1, gl.zeros([64, BK], gl.float32, s_l), False, NS)
+            if QASYNC and QNORM:
+                if j == 0:  # consumer 0 scales D half 0
+                    mbarrier.wait(q_bar.index(3), it & 1)
+                    fence_async_shared()
             sp = warpgroup_mma_wait(0, deps=(_qk_half(q_smem, k_smem, k_ready, i, 0, tok_s, True, NS),))
             sc = gl.where((code >= 0)[None, :], sp * scale, float("-inf"))
             mx = gl.reduce(sc, 1, _max)
@@ -286,11 +257,12 @@ if ws.HAVE_GLUON:
         return acc, m_i, l_i
 
     @gluon.jit
-    def _consumer_stagger(q_ptr, out_ptr, o_desc, code_ptr, sink_ptr, cos_ptr, sin_ptr, q_smem, k_smem, p_smem,
+    def _consumer_stagger(q_ptr, out_ptr, o_desc, code_ptr, sink_ptr, cos_ptr, sin_ptr, qs_ptr, q_smem, k_smem, p_smem,
                           m_mine, m_other, m0_smem, m1_smem, k_ready, k_free, q_bar, m_ready, p_ready, H, n_keys,
                           n_pairs, n_items, scale, HID: gl.constexpr, D: gl.constexpr, BK: gl.constexpr,
                           NS: gl.constexpr, ROPE_Q: gl.constexpr, ROPE_OUT: gl.constexpr, R2: gl.constexpr,
-                          QASYNC: gl.constexpr, OTMA: gl.constexpr, OC: gl.constexpr, QROPE: gl.constexpr):
+                          QASYNC: gl.constexpr, OTMA: gl.constexpr, OC: gl.constexpr, QROPE: gl.constexpr,
+                          QNORM: gl.constexpr):
         """Consumer HID over this CTA's work items (item w: token w // (H / 64), head block w % (H / 64): out's
         rows 64 w .. 64 w + 63 of [T H, D])."""
         HALF: gl.constexpr = D // 2
@@ -310,7 +282,14 @@ if ws.HAVE_GLUON:
             hb = w % n_hb
             if QASYNC:  # the producer copies Q; q's rotation is applied in place (QROPE: by which consumer, when)
                 mbarrier.wait(q_bar.index(0), it & 1)
-                if ROPE_Q:
+                if QNORM:  # each consumer scales its own D half (consumer 1 then rotates), and waits for the other's
+                    # behind its first Q K^T over its own half (_consumer0 / _consumer1)
+                    _scale_q_half(q_smem.index(HID), qs_ptr, t * H + hb * M, D)
+                    if ROPE_Q and HID == 1:
+                        _rope_q_tail(q_smem.index(1), cos_ptr, sin_ptr, t, D, R2)
+                    fence_async_shared()
+                    _arrive(q_bar.index(3 - HID))  # consumer 1: Q's half 1 ready (2); consumer 0: half 0 (3)
+                elif ROPE_Q:
                     if QROPE == 0:
                         if HID == 1:
                             _rope_q_smem(q_smem.index(1), cos_ptr, sin_ptr, t, D, R2)
@@ -345,11 +324,11 @@ if ws.HAVE_GLUON:
                 acc, m_i, l_i = _consumer0(q_smem, k_smem, p_smem, m0_smem, m1_smem, k_ready, k_free, m_ready,
                                            p_ready, q_bar, code_row, n_keys, n_pairs, ib, mb, pb, scale, acc, m_i,
                                            l_i, cos_ptr, sin_ptr, t, it, BK, NS, s_l, p_l, QASYNC, OTMA, D, R2,
-                                           ROPE_Q, QROPE)
+                                           ROPE_Q, QROPE, QNORM)
             else:
                 acc, m_i, l_i = _consumer1(q_smem, k_smem, p_smem, m0_smem, m1_smem, k_ready, k_free, m_ready,
                                            p_ready, q_bar, code_row, n_keys, n_pairs, ib, mb, pb, scale, acc, m_i,
-                                           l_i, BK, NS, s_l, p_l, QASYNC, OTMA)
+                                           l_i, it, BK, NS, s_l, p_l, QASYNC, OTMA, QNORM)
             # the denominator: l_0 + l_1 (each consumer has read the other's last maximum before this point)
             m_mine.store(l_i)
             _arrive(m_ready.index(HID))
@@ -365,13 +344,16 @@ if ws.HAVE_GLUON:
             tma.store_wait(0)  # the last stores have read shared memory before the CTA exits
 
     @gluon.jit
-    def _sparse_attention_sm90_stagger(q_ptr, kv_ptr, code_ptr, sink_ptr, out_ptr, o_desc, cos_ptr, sin_ptr, comp_off,
+    def _sparse_attention_sm90_stagger(q_ptr, kv_ptr, code_ptr, sink_ptr, out_ptr, o_desc, cos_ptr, sin_ptr, qs_ptr,
+                                       comp_off,
                                        H, n_keys, n_items, scale, D: gl.constexpr, BK: gl.constexpr,
                                        NS: gl.constexpr, PW: gl.constexpr, P_REGS: gl.constexpr,
                                        C_REGS: gl.constexpr, ROPE_Q: gl.constexpr, ROPE_OUT: gl.constexpr,
                                        R2: gl.constexpr, QASYNC: gl.constexpr,
-                                       OTMA: gl.constexpr, OC: gl.constexpr, QROPE: gl.constexpr):
-        """o_desc: out [T H, D] as a bulk-store descriptor of [64, OC] boxes (OTMA; else any value, unused)."""
+                                       OTMA: gl.constexpr, OC: gl.constexpr, QROPE: gl.constexpr,
+                                       QNORM: gl.constexpr):
+        """o_desc: out [T H, D] as a bulk-store descriptor of [64, OC] boxes (OTMA; else any value, unused); qs_ptr:
+        q's row scales [T H] fp32 (QNORM, with QASYNC; else any pointer, unused)."""
         HALF: gl.constexpr = D // 2
         M: gl.constexpr = 64
         n_pairs = gl.cdiv(n_keys, 2 * BK)
@@ -390,7 +372,7 @@ if ws.HAVE_GLUON:
         l1_smem = gl.allocate_shared_memory(gl.float32, [M], ml)
         k_ready = gl.allocate_shared_memory(gl.int64, [2 * NS, 1], mbarrier.MBarrierLayout())
         k_free = gl.allocate_shared_memory(gl.int64, [2 * NS, 1], mbarrier.MBarrierLayout())
-        q_bar = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())  # Q ready, free, rotated
+        q_bar = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())  # Q ready, free, half 1 / 0 done
         m_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         p_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         for s in gl.static_range(2 * NS):
@@ -401,20 +383,21 @@ if ws.HAVE_GLUON:
         else:
             mbarrier.init(q_bar.index(0), count=2)  # both consumers stored their half
         mbarrier.init(q_bar.index(1), count=2)  # both consumers' last Q K^T of an item
-        mbarrier.init(q_bar.index(2), count=1)  # consumer 1 rotated q's channels
+        mbarrier.init(q_bar.index(2), count=1)  # q's channels rotated (QROPE) / Q's half 1 scaled (QNORM)
+        mbarrier.init(q_bar.index(3), count=1)  # Q's half 0 scaled (QNORM)
         for h in gl.static_range(2):
             mbarrier.init(m_ready.index(h), count=1)
             mbarrier.init(p_ready.index(h), count=1)
         fence_async_shared()
         gl.warp_specialize([
-            (_consumer_stagger, (q_ptr, out_ptr, o_desc, code_ptr, sink_ptr, cos_ptr, sin_ptr, q_smem, k_smem, p_smem,
-                                 l0_smem, l1_smem, m0_smem, m1_smem, k_ready, k_free, q_bar, m_ready, p_ready, H,
-                                 n_keys, n_pairs, n_items, scale, 0, D, BK, NS, ROPE_Q, ROPE_OUT, R2, QASYNC, OTMA,
-                                 OC, QROPE)),
-            (_consumer_stagger, (q_ptr, out_ptr, o_desc, code_ptr, sink_ptr, cos_ptr, sin_ptr, q_smem, k_smem, p_smem,
-                                 l1_smem, l0_smem, m0_smem, m1_smem, k_ready, k_free, q_bar, m_ready, p_ready, H,
-                                 n_keys, n_pairs, n_items, scale, 1, D, BK, NS, ROPE_Q, ROPE_OUT, R2, QASYNC, OTMA,
-                                 OC, QROPE)),
+            (_consumer_stagger, (q_ptr, out_ptr, o_desc, code_ptr, sink_ptr, cos_ptr, sin_ptr, qs_ptr, q_smem, k_smem,
+                                 p_smem, l0_smem, l1_smem, m0_smem, m1_smem, k_ready, k_free, q_bar, m_ready, p_ready,
+                                 H, n_keys, n_pairs, n_items, scale, 0, D, BK, NS, ROPE_Q, ROPE_OUT, R2, QASYNC, OTMA,
+                                 OC, QROPE, QNORM)),
+            (_consumer_stagger, (q_ptr, out_ptr, o_desc, code_ptr, sink_ptr, cos_ptr, sin_ptr, qs_ptr, q_smem, k_smem,
+                                 p_smem, l1_smem, l0_smem, m0_smem, m1_smem, k_ready, k_free, q_bar, m_ready, p_ready,
+                                 H, n_keys, n_pairs, n_items, scale, 1, D, BK, NS, ROPE_Q, ROPE_OUT, R2, QASYNC, OTMA,
+                                 OC, QROPE, QNORM)),
             (_producer_halves, (kv_ptr, code_ptr, q_ptr, k_smem, q_smem, k_ready, k_free, q_bar, comp_off, n_keys,
                                 n_pairs, n_items, H, D, BK, NS, PW, QASYNC)),
         ], [4, PW], [C_REGS, P_REGS])
@@ -425,14 +408,18 @@ def launch_sm90_stagger(q: torch.Tensor, window_kv: torch.Tensor, code: torch.Te
                         rope_sin: torch.Tensor | None = None, rope_mode: int = 0, info: dict | None = None,
                         bk: int = BK, c_regs: int = C_REGS, p_regs: int = P_REGS,
                         persistent: bool = PERSISTENT, qasync: bool = QASYNC, otma: bool = OTMA,
-                        qrope: int = QROPE) -> None:
+                        qrope: int = QROPE, q_scale: torch.Tensor | None = None) -> None:
     """``launch_sm90_split``'s contract, the staggered consumers (``_sparse_attention_sm90_stagger``) with ``bk`` keys
     per block (64: 2 stages, 32: 4 stages); ``persistent``: one CTA per SM looping over the (token, head block) items
     (else one CTA per item); ``qasync``: the producer copies each item's Q as soon as the previous item's last Q K^T
     is done (q's rotation then applied in shared memory), instead of the consumers loading it at the item's start;
     ``otma``: the output through shared memory and bulk tensor stores (64-key blocks only: it reuses P's 128-byte
     swizzled buffers; a 16-byte aligned out), instead of 4-byte stores from the accumulators; ``qrope``: who
-    rotates the copied Q and when (``QROPE``'s values)."""
+    rotates the copied Q and when (``QROPE``'s values); ``q_scale``: q's row scales [T, H] fp32, contiguous
+    (``sparse_attention.scale_q`` in the Q load; needs ``qasync``: ``scales_q``)."""
+    if q_scale is not None and not qasync:
+        raise ValueError("sparse_attention sm90 stagger: q_scale needs qasync=True (the consumers' own Q load has no "
+                         "scale; the op scales q before such a launch)")
     if qrope not in (0, 1, 2):
         raise ValueError(f"sparse_attention sm90 stagger: qrope must be 0, 1 or 2, got {qrope!r}")
     t, h, d = q.shape
@@ -446,11 +433,18 @@ def launch_sm90_stagger(q: torch.Tensor, window_kv: torch.Tensor, code: torch.Te
     # out [T H, D] in [64, OC] boxes, the layout of P's buffers; without otma out itself stands in (never read)
     o_desc = TensorDescriptor(out.view(t * h, d), [t * h, d], [d, 1], [ws.HEADS, OC], out_layout()) if otma else out
     kernel = _sparse_attention_sm90_stagger[(grid,)](
-        q, window_kv, code, sink, out, o_desc, rope_cos, rope_sin, comp_off, h, code.shape[1], n_items,
-        float(scale), D=d, BK=bk, NS=ns, PW=PW, P_REGS=p_regs, C_REGS=c_regs, ROPE_Q=bool(rope_mode & 1),
-        ROPE_OUT=bool(rope_mode & 2), R2=r2, QASYNC=qasync, OTMA=otma, OC=OC, QROPE=qrope, num_warps=4,
-        maxnreg=MAXNREG)
+        q, window_kv, code, sink, out, o_desc, rope_cos, rope_sin, sink if q_scale is None else q_scale, comp_off, h,
+        code.shape[1], n_items, float(scale), D=d, BK=bk, NS=ns, PW=PW, P_REGS=p_regs, C_REGS=c_regs,
+        ROPE_Q=bool(rope_mode & 1), ROPE_OUT=bool(rope_mode & 2), R2=r2, QASYNC=qasync, OTMA=otma, OC=OC, QROPE=qrope,
+        QNORM=q_scale is not None, num_warps=4, maxnreg=MAXNREG)
     if info is not None:
         info.update(impl="gluon_sm90_stagger", grid=grid, BK=bk, NS=ns, PW=PW, c_regs=c_regs, p_regs=p_regs,
-                    persistent=persistent, qasync=qasync, otma=otma, qrope=qrope)
+                    persistent=persistent, qasync=qasync, otma=otma, qrope=qrope,
+                    q_scale=q_scale is not None)
         ws.kernel_info(kernel, info)
+
+
+def scales_q(impl: str, config: dict) -> bool:
+    """Whether the sm_90 kernel ``impl`` with launcher options ``config`` applies q's row scales in its Q load (the
+    staggered kernel with its Q copied ahead); the op scales q first for the others."""
+    return impl == "gluon_stagger" and config.get("qasync", QASYNC)

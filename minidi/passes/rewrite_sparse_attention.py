@@ -24,6 +24,16 @@ two elementwise kernels of [T, H, D] around the attention leave the step::
 
     out = sparse_attention(q_raw, ..., rope_cos=cos, rope_sin=sin, rope_mode=ROPE_Q | ROPE_OUT)
 
+V4's per-head unweighted q RMSNorm before q's rotation (``minidi.model.layers.rms_norm(q, None, eps)``)::
+
+    q32 = q.float(); q_n = (q32 * rsqrt(q32.square().mean(-1, keepdim=True) + eps)).to(q.dtype)
+
+is folded the same way where the normalised q has no other reader: the op scales q by the rsqrt in its load
+(``q_scale``; the product and its rounding are the model's), and Inductor computes the rsqrt alone, a reduction that
+writes [T, H, 1] fp32 instead of the normalised [T, H, D] q (half of the norm's traffic)::
+
+    out = sparse_attention(q, ..., rope_mode=..., q_scale=rsqrt(q32.square().mean(-1, keepdim=True) + eps))
+
 Matched from the attention end backwards, so a gather + where that does not feed this attention (the compressed
 view's own ``rows[view_idx]``) is never taken; both einsum equations, the -1 test, the -inf fill, the max/exp/sum
 chain and the sink term are checked exactly.
@@ -157,6 +167,32 @@ def rope_chain(cat) -> tuple[Node, Node, Node, bool, set[Node]] | None:  # noqa:
     nodes = {cat, out, out.args[0], stack, y0, y1, *y0.args, *y1.args, x0, x1, pairs, pairs.args[0], rot, nope, c,
              s, sview}
     return x, cos, sin, inverse, nodes
+
+
+def qnorm_chain(x: Node) -> tuple[Node, Node, set[Node], Node] | None:
+    """``x = rms_norm(q, None, eps)``'s chain -> (q, its rsqrt node [T, H, 1] fp32, the product and rounding nodes,
+    which only the norm's output needs, the chain's first node: q.float())."""
+    if not (_one(x, "to", n=2) and _one(x.args[0], "mul", n=2)):
+        return None
+    mul = x.args[0]
+    f, r = mul.args
+    if not (_one(f, "float", n=1) and _one(r, "rsqrt", n=1)):
+        return None
+    add = r.args[0]
+    if not (is_call(add, "add") and len(add.args) == 2 and not add.kwargs and isinstance(add.args[1], float)):
+        return None
+    mean = add.args[0]
+    if not (is_call(mean, "mean") and _keepdim_last(mean, "mean") and _one(mean.args[0], "square", n=1)
+            and mean.args[0].args[0] is f):
+        return None
+    q, qv, rv = f.args[0], val(f.args[0]), val(r)
+    if not (isinstance(qv, torch.Tensor) and isinstance(rv, torch.Tensor) and qv.dim() == 3 and rv.dim() == 3):
+        return None
+    if x.args[1] != qv.dtype or rv.dtype != torch.float32 or not same_int(rv.shape[2], 1):
+        return None
+    if set(mul.users) != {x} or set(r.users) != {mul}:
+        return None
+    return q, r, {x, mul}, f
 
 
 def _readers(node: Node, inside: set[Node]) -> list[Node] | None:
@@ -303,6 +339,14 @@ class SparseAttention(Rewrite):
             break
         if mode:
             kwargs.update(rope_cos=cos, rope_sin=sin, rope_mode=mode)
+        qn = qnorm_chain(q)  # q = rms_norm(q_pre, None, eps), read by this attention (and stage markers) only
+        if qn is not None and dtype(qn[0]) == qdt:
+            markers = _readers(q, nodes)
+            if markers is not None and untouched_between(graph, qn[3], start, {qn[0], qn[1]}):
+                reroute += [(mk, q, qn[0]) for mk in markers]  # a marker of the normalised q now marks q_pre
+                q = qn[0]
+                kwargs.update(q_scale=qn[1])
+                nodes |= qn[2]
         return Match(anchor=node, nodes=nodes, target=sparse_attention,
                      args=(q, window_kv, window_idx, comp_kv, comp_idx, sink, float(scale)),
                      kwargs=kwargs, outputs=[(result, None)], reroute=reroute, mutation_start=start)

@@ -14,8 +14,8 @@ import torch
 
 from minidi.model.sparse_attention import sparse_attention_naive
 from minidi.ops import _triton_utils
-from minidi.model.layers import apply_rope
-from minidi.ops.sparse_attention import (ROPE_OUT, ROPE_Q, launch, rope_ref, sparse_attention,
+from minidi.model.layers import apply_rope, rms_norm
+from minidi.ops.sparse_attention import (ROPE_OUT, ROPE_Q, launch, rope_ref, scale_q, sparse_attention,
                                          sparse_attention_ref)
 
 BF16_TOL = dict(rtol=2**-7, atol=4e-3)
@@ -250,6 +250,14 @@ def _angles(t: int, r2: int, device="cpu", seed=0):
     return ang.cos().to(device), ang.sin().to(device)
 
 
+def _close_to_ref(out: torch.Tensor, ref: torch.Tensor) -> None:
+    """The kernel's output against sparse_attention_ref's: fp32 to 1e-5; bf16 within BF16_TOL."""
+    if out.dtype == torch.float32:
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    else:
+        torch.testing.assert_close(out.float(), ref.float(), **BF16_TOL)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("inverse", [False, True])
 def test_rope_ref_is_the_model_apply_rope(dtype, inverse):
@@ -273,11 +281,7 @@ def test_rotations_in_load_and_store_equal_the_model_chain(t, h, d, w, k, r2, cf
     out = launch(*args, 0.2, rope_cos=cos, rope_sin=sin, rope_mode=mode, **cfg)
     base = launch(rope_ref(q, cos, sin) if mode & ROPE_Q else q, *args[1:], 0.2, **cfg)
     assert torch.equal(out, rope_ref(base, cos, sin, inverse=True) if mode & ROPE_OUT else base)
-    ref = sparse_attention_ref(*args, 0.2, cos, sin, mode)
-    if dtype == torch.float32:
-        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
-    else:
-        torch.testing.assert_close(out.float(), ref.float(), **BF16_TOL)
+    _close_to_ref(out, sparse_attention_ref(*args, 0.2, cos, sin, mode))
 
 
 @pytest.mark.interpreter
@@ -294,6 +298,52 @@ def test_rope_arguments_are_checked_and_opcheck():
         big = _angles(5, 17)
         sparse_attention(*args, 0.3, rope_cos=big[0], rope_sin=big[1], rope_mode=ROPE_Q)
     torch.library.opcheck(torch.ops.minidi.sparse_attention.default, (*args, 0.3, cos, sin, ROPE_Q | ROPE_OUT))
+
+
+def _q_scale(q: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """The model's per-head q RMSNorm scale, rsqrt(mean(q^2) + eps), as its graph computes it ([T, H, 1] fp32)."""
+    q32 = q.float()
+    return torch.rsqrt(q32.square().mean(-1, keepdim=True) + eps)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_scale_q_is_the_model_rms_norm(dtype):
+    q = (torch.randn(7, 5, 48, generator=torch.Generator().manual_seed(9)) * 3).to(dtype)
+    assert torch.equal(scale_q(q, _q_scale(q, 1e-6)), rms_norm(q, None, 1e-6))
+    assert torch.equal(scale_q(q, _q_scale(q, 1e-6).squeeze(-1)), rms_norm(q, None, 1e-6))
+
+
+@pytest.mark.parametrize("mode", [0, ROPE_Q, ROPE_Q | ROPE_OUT])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cfg", VARIANTS, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()) or "default")
+@pytest.mark.parametrize("t,h,d,w,k,r2", [(5, 4, 64, 8, 6, 8), (4, 3, 48, 5, 7, 4)])
+@pytest.mark.interpreter
+def test_q_scale_in_load_equals_the_model_chain(t, h, d, w, k, r2, cfg, dtype, mode):
+    """q's row scales in the kernel's load (pass A's fold of V4's q RMSNorm) are the model's norm, then its rotation:
+    bit-equal to the unfused kernel on rms_norm's output, scales of every size (rows of 1e-3 to 1e3), ragged heads
+    (3 of a 16-head block) and a padded D (48); within tolerance of the reference."""
+    args = _case(t, h, d, w, k, dtype=dtype, seed=r2 + mode + 40)
+    q = args[0] * torch.logspace(-3, 3, h).view(1, h, 1).to(dtype)  # row norms far from 1
+    qs = _q_scale(q)
+    cos, sin = _angles(t, r2, seed=mode)
+    rope = dict(rope_cos=cos, rope_sin=sin, rope_mode=mode) if mode else {}
+    out = launch(q, *args[1:], 0.2, q_scale=qs, **rope, **cfg)
+    assert torch.equal(out, launch(rms_norm(q, None, 1e-6), *args[1:], 0.2, **rope, **cfg))
+    _close_to_ref(out, sparse_attention_ref(q, *args[1:], 0.2, cos, sin, mode, q_scale=qs))
+
+
+@pytest.mark.interpreter
+def test_q_scale_is_checked_and_opcheck():
+    args = _case(5, 3, 32, 4, 3, seed=14)
+    qs = _q_scale(args[0])
+    for bad, what in ((qs[:4], r"\(4, 3, 1\) torch.float32"), (qs.double(), r"\(5, 3, 1\) torch.float64"),
+                      (qs.view(5, 1, 3), r"\(5, 1, 3\) torch.float32")):
+        with pytest.raises(ValueError, match=r"q_scale must be \[T=5, H=3\] or \[T, H, 1\] float32, got " + what):
+            sparse_attention(*args, 0.3, q_scale=bad)
+    assert torch.equal(sparse_attention(*args, 0.3, q_scale=qs), sparse_attention(*args, 0.3, q_scale=qs[..., 0]))
+    torch.testing.assert_close(sparse_attention(*args, 0.3, q_scale=qs),
+                               sparse_attention(*args, 0.3, backend="ref", q_scale=qs), rtol=1e-5, atol=1e-5)
+    torch.library.opcheck(torch.ops.minidi.sparse_attention.default, (*args, 0.3, None, None, 0, qs))
 
 
 # ---- realistic sizes on the GPU -----------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ import re
 import pytest
 import torch
 
-from minidi.model.layers import apply_rope
+from minidi.model.layers import apply_rope, rms_norm
 from minidi.ops import _triton_utils
 from minidi.ops import sparse_attention_sm90 as sm90
 from minidi.ops import sparse_attention_sm90_stagger as stagger
@@ -38,6 +38,7 @@ KERNELS = {impl: (impl, {}) for impl in SM90_KERNELS} | {
     "gluon_stagger_grid": ("gluon_stagger", dict(persistent=False)),
     "gluon_stagger_bk32": ("gluon_stagger", dict(bk=32)),
     "gluon_stagger_stores": ("gluon_stagger", dict(otma=False)),  # the output by 4-byte stores (before round 26)
+    "gluon_stagger_qrope0": ("gluon_stagger", dict(qrope=0)),  # q's rotation over Q's whole half 1 first (< round 36)
     "gluon_stagger_qrope1": ("gluon_stagger", dict(qrope=1)),  # q's rotated chunks only, consumer 0 not waiting first
     "gluon_stagger_qrope2": ("gluon_stagger", dict(qrope=2))}  # ... rotated by consumer 0 behind its first Q K^T
 each_kernel = pytest.mark.parametrize("impl", list(KERNELS))
@@ -164,11 +165,31 @@ def test_gpu_stagger_output_paths_bit_equal(mode):
 
 @pytest.mark.gpu
 @needs_sm90
-@pytest.mark.parametrize("qrope", [1, 2])
+@each_kernel
+@pytest.mark.parametrize("mode", [0, ROPE_Q | ROPE_OUT])
+def test_gpu_q_scale_equals_the_model_norm(impl, mode):
+    """q's row scales (pass A's fold of V4's q RMSNorm; in the Q load of the staggered kernel with Q copied ahead, q
+    scaled first by the op for the others) give the bits of the kernel on rms_norm's output: row norms of 1e-3 to 1e3,
+    more items than SMs, ragged key lists."""
+    t, h, d, w, k = 300, 128, 512, 17, 45
+    args = _case(t, h, d, w, k, nw=t + w + 3, nc=4096, dtype=torch.bfloat16, seed=21, device="cuda")
+    q = args[0] * torch.logspace(-3, 3, h, device="cuda").view(1, h, 1).bfloat16()
+    qs = torch.rsqrt(q.float().square().mean(-1, keepdim=True) + 1e-6)
+    cos, sin = _angles(t, 32, device="cuda")
+    rope = dict(rope_cos=cos, rope_sin=sin, rope_mode=mode) if mode else {}
+    name, options = KERNELS[impl]
+    out = launch(q, *args[1:], d**-0.5, q_scale=qs, impl=name, **rope, **options)
+    assert not out.isnan().any()
+    assert torch.equal(out, launch(rms_norm(q, None, 1e-6), *args[1:], d**-0.5, impl=name, **rope, **options))
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("qrope", [0, 1, 2])
 @pytest.mark.parametrize("r2", [4, 32, 40, 128])
 def test_gpu_stagger_q_rotation_owners_bit_equal(qrope, r2):
-    """Whoever rotates the copied Q (``qrope``), over only the 64-column chunks holding the 2 r2 rotated channels
-    (one chunk at r2 4 and 32, two at 40, the whole half at 128), the result is eager's rotation before the kernel,
+    """Whoever rotates the copied Q (``qrope``; 1 and 2 over only the 64-column chunks holding the 2 r2 rotated
+    channels: one chunk at r2 4 and 32, two at 40, the whole half at 128), the result is eager's rotation before the kernel,
     bit for bit, with more items than SMs and ragged key lists."""
     t, h, d, w, k = 300, 128, 512, 17, 45
     args = _case(t, h, d, w, k, nw=t + w + 3, nc=4096, dtype=torch.bfloat16, seed=12 + r2, device="cuda")
@@ -178,11 +199,12 @@ def test_gpu_stagger_q_rotation_owners_bit_equal(qrope, r2):
 
 
 # ---- compiles for sm_90a on the CPU (Triton's compiler and ptxas need no GPU) -----------------------------------
-def _compile_report(impl: str, pipe: bool, opt: int = 0, qrope: int = stagger.QROPE) -> dict:
+def _compile_report(impl: str, pipe: bool, opt: int = 0, qrope: int = stagger.QROPE, qnorm: bool = False) -> dict:
     """Compile one Gluon kernel for sm_90a, both rotations on, as the launchers specialise it (16-byte aligned pointers
     and comp_off): its wgmma instruction counts by shape, setmaxnreg, shared memory, local-memory (spill) accesses,
     global stores and bulk tensor stores in its SASS. ``pipe``: "gluon" / "gluon_split" PIPE, "gluon_stagger" OTMA;
-    ``opt``: "gluon_split" ZQ, "gluon_stagger" the keys per block; ``qrope``: "gluon_stagger"'s QROPE."""
+    ``opt``: "gluon_split" ZQ, "gluon_stagger" the keys per block; ``qrope`` / ``qnorm``: "gluon_stagger"'s QROPE /
+    QNORM."""
     from minidi.ops import sparse_attention_sm90_split as split
 
     from .gluon_compile import compile_sm90, sass
@@ -201,7 +223,8 @@ def _compile_report(impl: str, pipe: bool, opt: int = 0, qrope: int = stagger.QR
         otma = pipe and opt == stagger.OC
         fn, consts = stagger._sparse_attention_sm90_stagger, consts | dict(
             BK=opt, NS=stagger.STAGES[opt], P_REGS=stagger.P_REGS, C_REGS=stagger.C_REGS, QASYNC=stagger.QASYNC,
-            OTMA=otma, OC=stagger.OC, QROPE=qrope)
+            OTMA=otma, OC=stagger.OC, QROPE=qrope, QNORM=qnorm)
+        ptrs["qs_ptr"] = torch.float32
         if otma:
             descs = dict(o_desc=stagger.TensorDescriptor(torch.empty(64, 512, dtype=torch.bfloat16), [64, 512],
                                                          [512, 1], [64, stagger.OC], stagger.out_layout()))
@@ -221,11 +244,12 @@ def _compile_report(impl: str, pipe: bool, opt: int = 0, qrope: int = stagger.QR
 @pytest.mark.parametrize("impl,pipe,opt,qrope", [
     ("gluon", False, 0, 0), ("gluon_split", False, 0, 0), ("gluon_split", True, 0, 0), ("gluon_split", False, 1, 0),
     ("gluon_stagger", False, 64, 0), ("gluon_stagger", True, 64, 0), ("gluon_stagger", False, 32, 0),
-    ("gluon_stagger", True, 64, 1), ("gluon_stagger", True, 64, 2)])
+    ("gluon_stagger", True, 64, 1), ("gluon_stagger", True, 64, 2), ("gluon_stagger", True, 64, "norm")])
 def test_kernels_compile_for_sm90a(impl, pipe, opt, qrope):
     """The Gluon kernels compile, with the wgmma shapes of each design (one instruction per MMA of a key block) and
     shared memory within the H200's 227 KB; the staggered kernel and the split one with ZQ (almost) without spills; the
-    staggered one with OTMA stores its output only by bulk tensor stores, whoever rotates its Q (``qrope``).
+    staggered one with OTMA stores its output only by bulk tensor stores, whoever rotates its Q (``qrope``), and with
+    q's row scales in its Q load ("norm").
     Compiled in a fresh process: a Triton kernel run by the interpreter in this process (other tests) patches the
     language and the Gluon front end then fails."""
     import json
@@ -234,7 +258,8 @@ def test_kernels_compile_for_sm90a(impl, pipe, opt, qrope):
 
     pytest.importorskip("triton.backends.nvidia.compiler")
     code = ("import json; from tests.ops.test_sparse_attention_sm90 import _compile_report; "
-            f"print(json.dumps(_compile_report({impl!r}, {pipe}, {opt}, {qrope})))")
+            f"print(json.dumps(_compile_report({impl!r}, {pipe}, {opt}, {qrope if qrope != 'norm' else 0}, "
+            f"{qrope == 'norm'})))")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))

@@ -110,6 +110,8 @@ def test_naive_ops_gone(compiled):
     # attention's input or output (the key's and the compressor's rotations stay)
     attn = [n for n in after.graph.nodes if n.op == "call_function" and "sparse_attention" in str(n.target)]
     assert [n.kwargs.get("rope_mode") for n in attn] == [ROPE_Q | ROPE_OUT] * want["A"]
+    # V4's per-head q RMSNorm went in too (q's row scales), at every V4 site; V4.1 has no such norm
+    assert ["q_scale" in n.kwargs for n in attn] == [not compiled.cfg.is_v41] * want["A"]
     chains = [r for r in (rope_chain(n) for n in after.graph.nodes) if r is not None]
     assert chains and not {r[0] for r in chains} & set(attn)
     assert not any(rope_chain(n.args[0]) for n in attn)
@@ -199,6 +201,7 @@ class _Traced(Exception):
 
 
 ROPE_MODES: list[int] = []  # rope_mode of every sparse_attention the last trace_counts graph calls
+Q_SCALED: list[bool] = []  # whether each of those calls takes q's row scales (V4's q RMSNorm folded)
 INDEXER_MMA: list[str | None] = []  # mma of every indexer call (B's and M's ops) in that graph
 INDEXER_OPS = ("indexer_topk", "indexer_topk_candidates")
 FQ8_GROUPS: list[tuple[int, tuple[str, ...]]] = []  # pass R's fq8 calls in that graph: (layer, the linears reading it)
@@ -210,8 +213,10 @@ def indexer_mma(graph: torch.fx.Graph) -> list[str | None]:
 
 
 def _trace_only(gm, example_inputs):
-    ROPE_MODES[:] = [n.kwargs.get("rope_mode", 0) for n in gm.graph.nodes
-                     if n.op == "call_function" and getattr(n.target, "__name__", "") == "sparse_attention"]
+    calls = [n for n in gm.graph.nodes if n.op == "call_function" and getattr(n.target, "__name__", "") ==
+             "sparse_attention"]
+    ROPE_MODES[:] = [n.kwargs.get("rope_mode", 0) for n in calls]
+    Q_SCALED[:] = ["q_scale" in n.kwargs for n in calls]
     INDEXER_MMA[:] = indexer_mma(gm.graph)
     FQ8_GROUPS[:] = shared_fq8_groups(gm.graph)
 
@@ -285,3 +290,4 @@ def test_full_size_counts_traced_with_fake_weights(name):
     want = {k: len(v) for k, v in expected_sites(model.cfg).items()}
     assert trace_counts(model, 24) == want
     assert ROPE_MODES == [ROPE_Q | ROPE_OUT] * want["A"]  # both rotations folded at every site
+    assert Q_SCALED == [not model.cfg.is_v41] * want["A"]  # V4's q RMSNorm folded at every site (V4.1 has none)

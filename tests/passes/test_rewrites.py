@@ -21,7 +21,7 @@ from minidi.model.moe import dequant_expert_stack, gate_logits_fp32, grouped_mm,
 from minidi.model.quant import fq4_ue8m0, fq8, quantize_fp4
 from minidi.selection import topk_set
 from minidi.model import stages
-from minidi.model.layers import apply_rope, rope_cos_sin_lookup
+from minidi.model.layers import apply_rope, rms_norm, rope_cos_sin_lookup
 from minidi.model.sparse_attention import sparse_attention_naive
 from minidi.ops.sparse_attention import ROPE_OUT, ROPE_Q, sparse_attention
 from minidi.passes import PassMatchError
@@ -275,10 +275,14 @@ class GraphModule(torch.nn.Module):
 """)
 
 
-def rope_attention(q_raw, wkv, widx, ckv, cidx, sink, table, pos, markers=False, out_reader=False):
+def rope_attention(q_raw, wkv, widx, ckv, cidx, sink, table, pos, markers=False, out_reader=False, norm=None):
     """Attention.forward's shape: q = apply_rope(q_raw), the naive attention between stage markers, the output
-    rotated back (``out_reader``: the unrotated output is also returned, so the output rotation must stay)."""
+    rotated back (``out_reader``: the unrotated output is also returned, so the output rotation must stay).
+    ``norm``: V4's per-head q RMSNorm first ("plain"), one with a weight ("weighted", not V4's), or one whose output
+    is also returned ("read": it must stay)."""
     cos, sin = rope_cos_sin_lookup(pos, table)
+    if norm:
+        q_raw = rms_norm(q_raw, torch.full_like(q_raw[0, 0], 1.5) if norm == "weighted" else None, 1e-6)
     q = apply_rope(q_raw, cos, sin)
     if markers:
         stages.enter("attn.core", q)
@@ -286,6 +290,8 @@ def rope_attention(q_raw, wkv, widx, ckv, cidx, sink, table, pos, markers=False,
     if markers:
         stages.exit("attn.core", o)
     r = apply_rope(o, cos, sin, inverse=True)
+    if norm == "read":
+        return r, q_raw
     return (r, o) if out_reader else r
 
 
@@ -341,6 +347,62 @@ class GraphModule(torch.nn.Module):
         sparse_attention: "f32[5, 4, 32]" = minidi_ops_sparse_attention_sparse_attention(l_args_0_, l_args_1_, l_args_2_, l_args_3_, l_args_4_, l_args_5_, 0.125, backend = 'auto', rope_cos = cos, rope_sin = sin, rope_mode = 3);  l_args_0_ = l_args_1_ = l_args_2_ = l_args_3_ = l_args_4_ = l_args_5_ = cos = sin = None
         return (sparse_attention,)
 """)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sparse_attention_folds_v4_q_norm(dtype):
+    """V4's per-head q RMSNorm before q's rotation goes into the op as q's row scales (q_scale, the norm's rsqrt,
+    left to Inductor): the normalised q is never formed, and the result is bit-equal to the op on eager's norm and
+    rotations."""
+    args = rope_inputs(dtype)
+    m = Fn(rope_attention, norm="plain")
+    out, mgr, _, after = run(m, args, "A", 1, strict=True)
+    assert mgr.counts == {"A": 1}
+    call = next(n for n in after.graph.nodes if "sparse_attention" in str(n.target))
+    assert call.kwargs["rope_mode"] == ROPE_Q | ROPE_OUT and "q_scale" in call.kwargs
+    assert sum(t.endswith("mul") for t in call_targets(after)) == 0  # the norm's product is the op's
+    q_raw, wkv, widx, ckv, cidx, sink, table, pos = args
+    cos, sin = rope_cos_sin_lookup(pos, table)
+    unfused = sparse_attention(apply_rope(rms_norm(q_raw, None, 1e-6), cos, sin), wkv, widx, ckv, cidx, sink, 0.125)
+    assert torch.equal(out, apply_rope(unfused, cos, sin, inverse=True))
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, m(*args), rtol=1e-5, atol=1e-5)
+        assert_expected_inline(graph_text(after), """\
+class GraphModule(torch.nn.Module):
+    def forward(self, L_args_0_: "f32[5, 4, 32]", L_args_1_: "f32[12, 32]", L_args_2_: "i64[5, 4]", L_args_3_: "f32[6, 32]", L_args_4_: "i64[5, 3]", L_args_5_: "f32[4]", L_args_6_: "f32[40, 4, 2]", L_args_7_: "i64[5]"):
+        l_args_0_ = L_args_0_
+        l_args_1_ = L_args_1_
+        l_args_2_ = L_args_2_
+        l_args_3_ = L_args_3_
+        l_args_4_ = L_args_4_
+        l_args_5_ = L_args_5_
+        l_args_6_ = L_args_6_
+        l_args_7_ = L_args_7_
+        cs: "f32[5, 4, 2]" = l_args_6_[l_args_7_];  l_args_6_ = l_args_7_ = None
+        cos: "f32[5, 4]" = cs[(Ellipsis, 0)]
+        sin: "f32[5, 4]" = cs[(Ellipsis, 1)];  cs = None
+        x32: "f32[5, 4, 32]" = l_args_0_.float()
+        square: "f32[5, 4, 32]" = x32.square();  x32 = None
+        mean: "f32[5, 4, 1]" = square.mean(-1, keepdim = True);  square = None
+        add: "f32[5, 4, 1]" = mean + 1e-06;  mean = None
+        rsqrt: "f32[5, 4, 1]" = torch.rsqrt(add);  add = None
+        sparse_attention: "f32[5, 4, 32]" = minidi_ops_sparse_attention_sparse_attention(l_args_0_, l_args_1_, l_args_2_, l_args_3_, l_args_4_, l_args_5_, 0.125, backend = 'auto', rope_cos = cos, rope_sin = sin, rope_mode = 3, q_scale = rsqrt);  l_args_0_ = l_args_1_ = l_args_2_ = l_args_3_ = l_args_4_ = l_args_5_ = cos = sin = rsqrt = None
+        return (sparse_attention,)
+""")
+
+
+@pytest.mark.parametrize("norm", ["weighted", "read"])
+def test_sparse_attention_keeps_a_q_norm_it_cannot_take(norm):
+    """A norm with a weight (not V4's), or one whose output is read elsewhere, stays in the graph; q's rotation is
+    still folded."""
+    args = rope_inputs(torch.float32)
+    m = Fn(rope_attention, norm=norm)
+    got, mgr, _, after = run(m, args, "A", 1, strict=True)
+    call = next(n for n in after.graph.nodes if "sparse_attention" in str(n.target))
+    assert "q_scale" not in call.kwargs and call.kwargs["rope_mode"] == ROPE_Q | ROPE_OUT
+    assert any(t.endswith("rsqrt") for t in call_targets(after))
+    want = m(*args)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_sparse_attention_keeps_a_rotation_another_reader_needs():
