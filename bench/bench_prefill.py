@@ -20,7 +20,8 @@ step's split by phase (``compile_s``).
 bytes per step, TFLOP/s or GB/s and % of the measured peak where the work is known). ``--context 16384,65536,...``
 runs the benchmark once per cached-prefix length (same new tokens; one model, one workload at a time) and plots
 ms/step against context beside the FLOP count (``plot_stages.py``). On a GPU, ``--profile_steps`` also profiles one
-step with the device's activity only: its idle time between kernels and the largest gaps (``gpu_idle.py``).
+step with the device's activity only: its idle time between kernels and the largest gaps (``gpu_idle.py``); and the
+host's top-level calls in the profiled steps, where a host-bound step spends its host time (``host_ops.py``).
 
 Prints a card, a result table per mode and the stage table; the last line is one JSON object per mode (appended to
 ``--result_jsonl``); a Chrome trace (``.trace.json.gz``) and a PNG of the stage table go to ``--out_dir``.
@@ -42,13 +43,14 @@ from minidi.ops.fp4_grouped_gemm_configs import default_config as fp4_default_co
 from minidi.ops.fp4_grouped_gemm_configs import ptxas_version
 
 if __package__:  # imported as bench.bench_prefill: python -m bench.bench_prefill, the tests
-    from . import common, expert_loads, gpu_idle, kernel_table, prefill_stages, prefill_workload
+    from . import common, expert_loads, gpu_idle, host_ops, kernel_table, prefill_stages, prefill_workload
     from .prefill_modes import (ROUNDING, _compile_settings, _sizes, _what_ran, failed_mode, make_step,  # noqa: F401
                                 run_mode)
 else:  # run as a script (python / torchrun bench/bench_prefill.py): the script's folder is sys.path[0]
     import common
     import expert_loads
     import gpu_idle
+    import host_ops
     import kernel_table
     import prefill_stages
     import prefill_workload
@@ -353,6 +355,8 @@ def _report_mode(res: dict, args) -> None:
         common.say(kernel_table.format_kernel_table(res["kernels"], res["kernels_summary"], res["peaks"]))
     if res.get("gpu_idle"):
         common.say(gpu_idle.format_idle(res["gpu_idle"]))
+    if res.get("host_ops"):
+        common.say(host_ops.format_host_ops({**res["host_ops"], "ops": res["host_ops"]["ops"][:10]}))
 
 
 def _report_expert_loads(wl, args, world: int, out_dir: Path) -> None:

@@ -161,6 +161,7 @@ def run_mode(mode: str, wl, args, card: dict, out_dir: Path, held: dict | None =
         "stages_ms": {k: round(v, 3) for k, v in stage_table.items()},
         "gpu_busy_ms": prof.gpu_busy_ms and round(prof.gpu_busy_ms, 3),
         "gpu_idle": idle,  # one step profiled with device activity only: its gaps (bench/gpu_idle.py)
+        "host_ops": prof.host,  # the profiled steps' top-level host calls (bench/host_ops.py)
         "profile_steps": args.profile_steps, "profiled_step_sums_ms": [round(v, 3) for v in prof.step_sums],
         "pass_matches": pass_matches(step), "first_step_s": round(first.seconds, 1), "step_reused": reused,
         # from minidi.compile to the first step's logits (a warm start loads its precompiled graphs in the former)

@@ -1,7 +1,7 @@
 """The benchmark's profiled steps (``bench_prefill.py``): one torch profile of ``--profile_steps`` steps, written as a
-gzipped Chrome trace, and what is read from it: the stage table (``prefill_stages.py``), GPU busy time, and with
-``--kernels N`` the top kernels (``kernel_table.py``); and the note the card prints when the stage table's sum is off
-the timed step."""
+gzipped Chrome trace, and what is read from it: the stage table (``prefill_stages.py``), GPU busy time, the host's
+top-level calls (``host_ops.py``), and with ``--kernels N`` the top kernels (``kernel_table.py``); and the note the
+card prints when the stage table's sum is off the timed step."""
 
 from __future__ import annotations
 
@@ -15,9 +15,10 @@ from pathlib import Path
 import torch
 
 if __package__:
-    from . import common, kernel_table, prefill_stages
+    from . import common, host_ops, kernel_table, prefill_stages
 else:
     import common
+    import host_ops
     import kernel_table
     import prefill_stages
 
@@ -27,12 +28,14 @@ STAGE_SUM_TOLERANCE = 0.10  # the stage table's sum should be within 10 % of the
 @dataclass
 class Profile:
     """What ``profile_steps`` measured: the stage table (per category, the median over the profiled steps; empty
-    without stage markers), GPU busy ms per step (CUDA), each profiled step's stage sum (ms) and the kernel table."""
+    without stage markers), GPU busy ms per step (CUDA), each profiled step's stage sum (ms), the kernel table and the
+    host's top-level calls (``host_ops.host_ops``)."""
 
     stages: dict[str, float]
     gpu_busy_ms: float | None
     step_sums: list[float]
     kernels: kernel_table.KernelTable | None
+    host: dict | None = None
 
 
 def profile_steps(step, wl, n: int, device: str, trace_path: Path, kernels: int = 0, peaks: dict | None = None,
@@ -71,7 +74,7 @@ def profile_steps(step, wl, n: int, device: str, trace_path: Path, kernels: int 
         with open(raw, "rb") as f, gzip.open(trace_path, "wb") as g:
             shutil.copyfileobj(f, g)
     raw.unlink()
-    return Profile(table, busy, [sum(t.values()) for t in per_step], kt)
+    return Profile(table, busy, [sum(t.values()) for t in per_step], kt, host_ops.host_ops(events))
 
 
 def stage_sum_note(stage_sum: float, times: list[float], cuda: bool) -> str | None:
