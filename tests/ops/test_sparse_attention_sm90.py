@@ -189,8 +189,8 @@ def test_gpu_q_scale_equals_the_model_norm(impl, mode):
 @pytest.mark.parametrize("r2", [4, 32, 40, 128])
 def test_gpu_stagger_q_rotation_owners_bit_equal(qrope, r2):
     """Whoever rotates the copied Q (``qrope``; 1 and 2 over only the 64-column chunks holding the 2 r2 rotated
-    channels: one chunk at r2 4 and 32, two at 40, the whole half at 128), the result is eager's rotation before the kernel,
-    bit for bit, with more items than SMs and ragged key lists."""
+    channels: one chunk at r2 4 and 32, two at 40, the whole half at 128), the result is eager's rotation before the
+    kernel, bit for bit, with more items than SMs and ragged key lists."""
     t, h, d, w, k = 300, 128, 512, 17, 45
     args = _case(t, h, d, w, k, nw=t + w + 3, nc=4096, dtype=torch.bfloat16, seed=12 + r2, device="cuda")
     cos, sin = _angles(t, r2, device="cuda")
@@ -282,6 +282,22 @@ def test_kernels_compile_for_sm90a(impl, pipe, opt, qrope):
         assert rep["local"] <= 16
         if pipe:  # OTMA: the output only through bulk tensor stores, 4 chunks per consumer
             assert (rep["stg"], rep["tma_stores"]) == (0, 8)
+
+
+def test_q_scale_routing_and_stagger_launcher_refusals():
+    """Which sm_90 kernels apply q's row scales themselves (the staggered one with Q copied ahead; the op scales q
+    first for the others), and the staggered launcher's clear refusals: a scale without Q copied ahead, an unknown
+    q-rotation owner (both before any device work)."""
+    assert stagger.scales_q("gluon_stagger", {}) and stagger.scales_q("gluon_stagger", dict(qrope=2))
+    assert not stagger.scales_q("gluon_stagger", dict(qasync=False))
+    assert not any(stagger.scales_q(name, {}) for name in ("gluon", "gluon_split"))
+    q, out, sink = torch.zeros(2, 64, 512, dtype=torch.bfloat16), torch.zeros(2, 64, 512, dtype=torch.bfloat16), \
+        torch.zeros(64)
+    code, qs = torch.zeros(2, 3, dtype=torch.int32), torch.ones(2, 64)
+    with pytest.raises(ValueError, match="q_scale needs qasync=True"):
+        stagger.launch_sm90_stagger(q, q[0], code, sink, out, 0, 1.0, qasync=False, q_scale=qs)
+    with pytest.raises(ValueError, match="qrope must be 0, 1 or 2, got 3"):
+        stagger.launch_sm90_stagger(q, q[0], code, sink, out, 0, 1.0, qrope=3)
 
 
 def test_launchers_rotation_arguments_and_empty_slot_lists():
