@@ -286,6 +286,7 @@ if ws.HAVE_GLUON:
                     # behind its first Q K^T over its own half (_consumer0 / _consumer1)
                     _scale_q_half(q_smem.index(HID), qs_ptr, t * H + hb * M, D)
                     if ROPE_Q and HID == 1:
+                        gl.thread_barrier()  # the rotation reads what the other warps of the group just scaled
                         _rope_q_tail(q_smem.index(1), cos_ptr, sin_ptr, t, D, R2)
                     fence_async_shared()
                     _arrive(q_bar.index(3 - HID))  # consumer 1: Q's half 1 ready (2); consumer 0: half 0 (3)
