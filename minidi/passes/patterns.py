@@ -82,6 +82,20 @@ def only_users(node: Node, allowed: set[Node]) -> bool:
     return all(u in allowed for u in node.users)
 
 
+def mean_square(z: Node) -> tuple[Node, set[Node]] | None:
+    """z.square().mean(-1, keepdim=True) among z's users (the sum of squares of an RMS scale) -> (the mean node, its
+    nodes); the mean over z's last dim, given as -1 or its index."""
+    for sq in z.users:
+        if not (is_call(sq, "square") and n_args(sq) == 1 and len(sq.users) == 1):
+            continue
+        mean = next(iter(sq.users))
+        if not is_call(mean, "mean") or arg(mean, 0) is not sq or rank(z) is None:
+            continue
+        if dims_equal(arg(mean, 1, "dim", None), -1, rank(z) - 1) and arg(mean, 2, "keepdim", False) is True:
+            return mean, {sq, mean}
+    return None
+
+
 def method_call(node, name: str, *literal_args) -> bool:
     """node is ``x.name(*literal_args)`` with these literal arguments after x (dtypes compared by identity)."""
     if not is_call(node, name) or len(node.args) != 1 + len(literal_args):

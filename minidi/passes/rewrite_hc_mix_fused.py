@@ -29,7 +29,7 @@ from minidi.ops.hc_mix import MAX_OUT, X_DTYPES, hc_mix_fused
 
 from .base import Match, Rewrite
 from .fx_utils import arg, dims_equal, dtype, is_call, mutation_between, n_args, rank, same_int, val
-from .patterns import fp32_gemm
+from .patterns import fp32_gemm, mean_square
 
 
 def _only_user(node: Node) -> Node | None:
@@ -41,19 +41,6 @@ def _projection(node: Node) -> tuple[Node, Node, set[Node]] | None:
     if node.op == "call_function" and node.target is gate_tf32x3 and len(node.args) == 2:
         return node.args[0], node.args[1], {node}
     return fp32_gemm(node)
-
-
-def _mean_square(z: Node) -> tuple[Node, set[Node]] | None:
-    """z.square().mean(-1, keepdim=True) among z's users -> (the mean node, its nodes)."""
-    for sq in z.users:
-        if not (is_call(sq, "square") and n_args(sq) == 1):
-            continue
-        mean = _only_user(sq)
-        if mean is None or not is_call(mean, "mean") or arg(mean, 0) is not sq:
-            continue
-        if dims_equal(arg(mean, 1, "dim", None), -1, 1) and arg(mean, 2, "keepdim", False) is True:
-            return mean, {sq, mean}
-    return None
 
 
 def _collapse(x: Node, anchor: Node) -> tuple[Node, Node, set[Node]] | None:
@@ -108,7 +95,7 @@ class HCMixFused(Rewrite):
         if not isinstance(rows, int) or rows > MAX_OUT or not same_int(val(x2d).shape[0], val(x).shape[0]):
             return None
         z = next((u for u in x2d.users if is_call(u, "float") and n_args(u) == 1), None)
-        ms = None if z is None else _mean_square(z)
+        ms = None if z is None else mean_square(z)
         if ms is None:
             return None
         mean, ms_nodes = ms

@@ -51,6 +51,7 @@ from minidi.ops.sparse_attention import ROPE_OUT, ROPE_Q, sparse_attention
 from .base import Match, Rewrite
 from .fx_utils import (arg, dims_equal, dtype, is_call, is_literal, is_stage_marker, n_args, normalize_einsum, rank,
                        same_int, untouched_between, val)
+from .patterns import mean_square
 
 
 def _one(node, *names: str, n: int | None = None) -> bool:
@@ -181,9 +182,8 @@ def qnorm_chain(x: Node) -> tuple[Node, Node, set[Node], Node] | None:
     add = r.args[0]
     if not (is_call(add, "add") and len(add.args) == 2 and not add.kwargs and isinstance(add.args[1], float)):
         return None
-    mean = add.args[0]
-    if not (is_call(mean, "mean") and _keepdim_last(mean, "mean") and _one(mean.args[0], "square", n=1)
-            and mean.args[0].args[0] is f):
+    ms = mean_square(f)
+    if ms is None or ms[0] is not add.args[0]:
         return None
     q, qv, rv = f.args[0], val(f.args[0]), val(r)
     if not (isinstance(qv, torch.Tensor) and isinstance(rv, torch.Tensor) and qv.dim() == 3 and rv.dim() == 3):
