@@ -96,6 +96,12 @@ if HAVE_GLUON:
                                          is_pure=True, pack=1)
 
     @gluon.jit
+    def _arrive(bar):
+        """Arrive once on ``bar`` for the calling warpgroup, after all of its warps are past what it releases."""
+        gl.thread_barrier()
+        mbarrier.arrive(bar, count=1)
+
+    @gluon.jit
     def _q_half(q_ptr, cos_ptr, sin_ptr, t, hb, H, HID: gl.constexpr, D: gl.constexpr, ROPE_Q: gl.constexpr,
                 R2: gl.constexpr):
         """Columns [HID D/2, (HID+1) D/2) of the block's 64 query rows ([64, D/2] bf16), q's rotation applied to

@@ -34,8 +34,8 @@ if ws.HAVE_GLUON:
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from minidi.ops._sparse_attention_out_tma import _out_drained, _store_half_tma
-    from minidi.ops._sparse_attention_q_smem import _rope_q_smem, _rope_q_tail, _scale_q_half
-    from minidi.ops.sparse_attention_sm90 import _add, _max, _q_half, _store_half
+    from minidi.ops._sparse_attention_q_smem import _ready_q, _rope_q_tail
+    from minidi.ops.sparse_attention_sm90 import _add, _arrive, _max, _q_half, _store_half
 
 PW, MAXNREG = ws.PW, ws.MAXNREG
 PERSISTENT = True  # one CTA per SM looping over (token, head block) items
@@ -126,11 +126,6 @@ if ws.HAVE_GLUON:
         """Block i's slot codes [BK] (-1 past the list), in the score tile's column layout."""
         c = i * BK + gl.arange(0, BK, layout=gl.SliceLayout(0, s_l))
         return gl.load(code_row + c, mask=c < n_keys, other=-1)
-
-    @gluon.jit
-    def _arrive(bar):
-        gl.thread_barrier()  # every warp of the warpgroup is past what the barrier releases
-        mbarrier.arrive(bar, count=1)
 
     @gluon.jit
     def _wg0_pair(sp, code, i0, mj, pj, m_i, l_i, acc, scale, k_smem, p_smem, m0_smem, m1_smem, m_ready, p_ready,
@@ -280,33 +275,9 @@ if ws.HAVE_GLUON:
             it = (w - pid) // n_prog  # this CTA's item count so far
             t = (w // n_hb).to(gl.int64)
             hb = w % n_hb
-            if QASYNC:  # the producer copies Q; q's rotation is applied in place (QROPE: by which consumer, when)
-                mbarrier.wait(q_bar.index(0), it & 1)
-                if QNORM:  # each consumer scales its own D half (consumer 1 then rotates), and waits for the other's
-                    # behind its first Q K^T over its own half (_consumer0 / _consumer1)
-                    _scale_q_half(q_smem.index(HID), qs_ptr, t * H + hb * M, D)
-                    if ROPE_Q and HID == 1:
-                        gl.thread_barrier()  # the rotation reads what the other warps of the group just scaled
-                        _rope_q_tail(q_smem.index(1), cos_ptr, sin_ptr, t, D, R2)
-                    fence_async_shared()
-                    _arrive(q_bar.index(3 - HID))  # consumer 1: Q's half 1 ready (2); consumer 0: half 0 (3)
-                elif ROPE_Q:
-                    if QROPE == 0:
-                        if HID == 1:
-                            _rope_q_smem(q_smem.index(1), cos_ptr, sin_ptr, t, D, R2)
-                            fence_async_shared()
-                            _arrive(q_bar.index(2))
-                        else:
-                            mbarrier.wait(q_bar.index(2), it & 1)
-                    elif QROPE == 1:
-                        if HID == 1:  # consumer 0 waits for it in _consumer0, behind its first Q K^T over half 0
-                            _rope_q_tail(q_smem.index(1), cos_ptr, sin_ptr, t, D, R2)
-                            fence_async_shared()
-                            _arrive(q_bar.index(2))
-                    else:
-                        if HID == 1:  # consumer 0 rotates them in _consumer0
-                            mbarrier.wait(q_bar.index(2), it & 1)
-                fence_async_shared()  # cp.async / generic stores of Q; the wgmma reads it (async proxy)
+            if QASYNC:  # the producer copies Q; each consumer's part in scaling / rotating it (QNORM / QROPE)
+                _ready_q(q_smem, q_bar, qs_ptr, cos_ptr, sin_ptr, t, t * H + hb * M, it, HID, D, R2, ROPE_Q, QROPE,
+                         QNORM)
             else:
                 q_smem.index(HID).store(_q_half(q_ptr, cos_ptr, sin_ptr, t, hb, H, HID, D, ROPE_Q, R2))
                 fence_async_shared()
