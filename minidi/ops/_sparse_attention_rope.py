@@ -1,8 +1,10 @@
-"""The rotations pass A folds into the sparse attention (``rope_mode``), apart from the kernel that calls them:
-``rope_ref`` (plain torch, the twin of the model's ``apply_rope``) and the kernel's Triton helpers: q's rotation
-staged in the output's rows (``_rope_stage``) or rotated in registers (``_rope_load``, the ``nsplit=2`` configs),
-the output's inverse rotation in the store (``_rope_store_values``), each product rounded on its own
-(``_product``), and ``_round_p`` (the rounding to the activation dtype they share with the kernel's probabilities).
+"""What pass A folds into the sparse attention around its core, apart from the kernel that calls them: the rotations
+(``rope_mode``) and V4's q-norm scale (``q_scale``). Plain torch: ``rope_ref`` (the twin of the model's
+``apply_rope``) and ``scale_q`` (of its ``rms_norm``, given the rsqrt). The kernel's Triton helpers: q's rotation
+staged in the output's rows (``_rope_stage``; with the scale, the whole of q: ``_qnorm_stage``) or scaled and rotated
+in registers (``_rope_load``, the ``nsplit=2`` configs; ``_scaled``), the output's inverse rotation in the store
+(``_rope_store_values``), each product rounded on its own (``_product``), and ``_round_p`` (the rounding to the
+activation dtype they share with the kernel's probabilities).
 Design and measurements: ``docs/ops/sparse_attention.md``.
 """
 
@@ -31,6 +33,12 @@ def rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: boo
     x0, x1 = pairs[..., 0], pairs[..., 1]
     out = torch.stack([x0 * c - x1 * s, x0 * s + x1 * c], dim=-1).flatten(-2).to(x.dtype)
     return torch.cat([nope, out], dim=-1)
+
+
+def scale_q(q: torch.Tensor, q_scale: torch.Tensor) -> torch.Tensor:
+    """q [T, H, D] times its per-(token, head) scale ([T, H] or [T, H, 1] fp32) in fp32, rounded to q's dtype: the
+    model's ``rms_norm(q, None, eps)`` given its rsqrt (``minidi.model.layers.rms_norm``; a test holds them equal)."""
+    return (q.float() * q_scale.reshape(q.shape[0], q.shape[1], 1)).to(q.dtype)
 
 
 @triton.jit
@@ -147,4 +155,4 @@ def _rope_store_values(out, d_base, cos_ptr, sin_ptr, t, D: tl.constexpr, R2: tl
     return y
 
 
-__all__ = ["ROPE_OUT", "ROPE_Q", "rope_ref"]
+__all__ = ["ROPE_OUT", "ROPE_Q", "rope_ref", "scale_q"]
