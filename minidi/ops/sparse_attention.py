@@ -272,8 +272,8 @@ def launch(q: torch.Tensor, window_kv: torch.Tensor, window_idx: torch.Tensor, c
     ``impl`` in config: "gluon" forces the sm_90 Gluon kernel (``sparse_attention_sm90``; extra keys go to its
     launcher), "gluon_split" its sibling with FlashMLA's split of the work (``sparse_attention_sm90_split``),
     "gluon_stagger" the one with FlashMLA's staggered schedule (``sparse_attention_sm90_stagger``), "triton" the
-    Triton kernel; unset, ``SM90_DEFAULT`` of the Gluon kernels runs where ``sm90.can_run`` holds and no Triton config was given, else the
-    Triton kernel.
+    Triton kernel; unset, ``SM90_DEFAULT`` of the Gluon kernels runs where ``sm90.can_run`` holds and no Triton
+    config was given, else the Triton kernel.
 
     ``info``, if given, receives the config used and, on the GPU, the compiled kernel (registers, spills, shared
     memory, and the MMA layouts Triton chose, read from its TTGIR).
