@@ -23,8 +23,9 @@ import sys
 from pathlib import Path
 
 if __package__:  # imported as bench.host_ops (the benchmark as a module, the tests)
-    from . import prefill_stages
+    from . import kernel_table, prefill_stages
 else:  # run as a script: the script's folder is sys.path[0]
+    import kernel_table
     import prefill_stages
 
 
@@ -39,23 +40,19 @@ def host_ops(events: list[dict], top: int = 15) -> dict:
     if not steps:
         raise ValueError(f"the trace has no {prefill_stages.STEP_RANGE} range: open `torch.profiler.record_function"
                          f"({prefill_stages.STEP_RANGE!r})` around each profiled step")
-    ops_by_thread: dict[tuple, list[tuple[float, float, str]]] = {}
-    for e in events:
-        if e.get("cat") == prefill_stages.OP_CAT:
-            ts = float(e["ts"])
-            ops_by_thread.setdefault((e.get("pid"), e.get("tid")), []).append((ts, ts + float(e["dur"]),
-                                                                               e.get("name", "?")))
+    ops = kernel_table.ops_by_thread(events)  # per thread, in (start, longest first) order
     totals: dict[str, list[float]] = {}  # name -> [calls, us]
     step_us = in_ops_us = 0.0
     for s in steps:
         start, end = float(s["ts"]), float(s["ts"]) + float(s["dur"])
         step_us += end - start
         reach = start  # the end of the last top-level call
-        for t0, t1, name in sorted(ops_by_thread.get((s.get("pid"), s.get("tid")), []), key=lambda o: (o[0], -o[1])):
+        for op in ops.get((s.get("pid"), s.get("tid")), []):
+            t0, t1 = op.start, op.end
             if t0 < start or t0 >= end or t0 < reach:  # outside the step, or inside a call already counted
                 continue
             reach = t1
-            row = totals.setdefault(name, [0.0, 0.0])
+            row = totals.setdefault(op.event.get("name", "?"), [0.0, 0.0])
             row[0] += 1
             row[1] += min(t1, end) - t0
             in_ops_us += min(t1, end) - t0

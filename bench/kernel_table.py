@@ -73,9 +73,9 @@ class _Op:
     kernels: dict[str, int] = field(default_factory=dict)  # those launches by device-event name
 
 
-def _ops_by_thread(events: list[dict]) -> dict[tuple, list[_Op]]:
+def ops_by_thread(events: list[dict]) -> dict[tuple, list[_Op]]:
     """cpu_ops per thread in (start, longest first) order, with their direct children's time and the names of those
-    that are not trivial (one stack pass; a child is held entirely by its parent)."""
+    that are not trivial (one stack pass; a child is held entirely by its parent). Also ``host_ops.py``'s calls."""
     out: dict[tuple, list[_Op]] = {}
     for e in events:
         if e.get("cat") == OP_CAT:
@@ -125,7 +125,7 @@ def _cpu_calls(events: list[dict], steps: list[dict]) -> tuple[list[_Call], floa
         by_thread.setdefault((s.get("pid"), s.get("tid")), []).append(_span(s))
     calls = []
     stage_ranges = prefill_stages.stage_ranges_by_thread(events)
-    for thread, ops in _ops_by_thread(events).items():
+    for thread, ops in ops_by_thread(events).items():
         ranges = by_thread.get(thread, [])
         mine = [o for o in ops if _within(ranges, o.start)]
         for o, stage in zip(mine, prefill_stages.categories_at(stage_ranges, thread, [o.start for o in mine])):
@@ -165,7 +165,7 @@ def _device_calls(events: list[dict], steps: list[dict], ep_size: int | None) ->
             launch = launches.get((e.get("args") or {}).get("correlation"))
             if launch is not None and _within(windows, launch[1]):
                 device.append((e, launch))
-    ops = _ops_by_thread(events)
+    ops = ops_by_thread(events)
     stage_ranges = prefill_stages.stage_ranges_by_thread(events)
     owner: dict[int, _Op | None] = {}
     stage: dict[int, str] = {}
