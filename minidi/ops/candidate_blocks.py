@@ -36,6 +36,7 @@ import triton.language as tl
 
 from minidi.selection import topk_picks
 
+from ._dispatch_op import dispatch_op
 from ._triton_utils import cannot_run, resolve_backend, round_bf16, triton_can_run
 from .topk import _key, _kth
 
@@ -178,7 +179,7 @@ def select_launch(bm: torch.Tensor, keep: int, out: torch.Tensor | None = None, 
 
 
 # ---- custom op -----------------------------------------------------------------------------------------------------
-@torch.library.custom_op("minidi::candidate_blocks", mutates_args=())
+@dispatch_op("minidi::candidate_blocks")
 def _candidate_blocks_op(scores: torch.Tensor, k_start: torch.Tensor, k_end: torch.Tensor, keep: int,
                          block: int, round_to: torch.dtype | None = None) -> torch.Tensor:
     if not triton_can_run(scores, k_start, k_end):

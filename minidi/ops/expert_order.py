@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._dispatch_op import dispatch_op
 from ._triton_utils import cannot_run, resolve_backend, triton_can_run
 
 IDX_DTYPES = (torch.int32, torch.int64)
@@ -132,7 +133,7 @@ def _check(flat: torch.Tensor, n_experts: int) -> None:
 
 
 # ---- custom op -----------------------------------------------------------------------------------------------------
-@torch.library.custom_op("minidi::expert_order", mutates_args=())
+@dispatch_op("minidi::expert_order")
 def _expert_order_op(flat: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
     if not triton_can_run(flat):
         raise cannot_run("minidi::expert_order", flat)

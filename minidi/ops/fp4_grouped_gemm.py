@@ -54,6 +54,7 @@ from minidi.formats import FP4_BLOCK, dequant_fp4
 from . import fp4_grouped_gemm_hopper as hopper
 from . import fp4_grouped_gemm_sm90 as sm90
 from . import fp4_grouped_gemm_sm90_rs as sm90_rs
+from ._dispatch_op import dispatch_op
 from .fp4_grouped_gemm_configs import (DECODES, SCALED_EP1, SCALED_EP4, SCALED_SMALL, Fp4GemmConfig,  # noqa: F401
                                        default_config, fallback_chain)
 from ._triton_formats import e8m0_to_fp32
@@ -358,7 +359,7 @@ def _unit_last(t: torch.Tensor) -> torch.Tensor:
 
 
 # ---- custom op -----------------------------------------------------------------------------------------------------
-@torch.library.custom_op("minidi::fp4_grouped_mm", mutates_args=())
+@dispatch_op("minidi::fp4_grouped_mm")
 def _fp4_grouped_mm_op(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor,
                        offs: torch.Tensor) -> torch.Tensor:
     if not triton_can_run(x, w_packed, w_scale, offs):
@@ -385,7 +386,7 @@ def _(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor, offs: torc
 
 # The reference behind a custom op too: its host loop over experts (``offs.tolist()``) cannot be traced, so pass D
 # inserts it as one opaque call (its fake gives the shape), exactly as it inserts the kernel.
-@torch.library.custom_op("minidi::fp4_grouped_mm_ref", mutates_args=())
+@dispatch_op("minidi::fp4_grouped_mm_ref")
 def _fp4_grouped_mm_ref_op(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor,
                            offs: torch.Tensor) -> torch.Tensor:
     return fp4_grouped_mm_ref(x, w_packed, w_scale, offs)

@@ -37,6 +37,7 @@ import triton.language as tl
 from minidi.formats import FP4_BLOCK, dequant_fp4
 
 from . import fp8_grouped_gemm_sm90 as sm90
+from ._dispatch_op import dispatch_op
 from .fp4_fold_device import fold_gate
 from ._triton_formats import e8m0_to_fp32
 from ._grouped_tiles import e_pow2, expert_m_tiles, m_tile_rows
@@ -205,7 +206,7 @@ def _unit_last(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-@torch.library.custom_op("minidi::fp8_fp4_grouped_mm", mutates_args=())
+@dispatch_op("minidi::fp8_fp4_grouped_mm")
 def _fp8_fp4_grouped_mm_op(q: torch.Tensor, s: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor,
                            offs: torch.Tensor, out_dtype: torch.dtype,
                            w_row_base: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -231,7 +232,7 @@ def _(q, s, w_packed, w_scale, offs, out_dtype, w_row_base=None):
     return q.new_empty(q.shape[0], w_packed.shape[1], dtype=out_dtype)
 
 
-@torch.library.custom_op("minidi::fp8_fp4_grouped_mm_ref", mutates_args=())
+@dispatch_op("minidi::fp8_fp4_grouped_mm_ref")
 def _fp8_fp4_grouped_mm_ref_op(q: torch.Tensor, s: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor,
                                offs: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     return fp8_fp4_grouped_mm_ref(q, s, w_packed, w_scale, offs, out_dtype)

@@ -61,6 +61,7 @@ import triton.language as tl
 
 from minidi.formats import dequant_fp8
 
+from ._dispatch_op import dispatch_op
 from ._triton_formats import e4m3_byte_to_fp32, e8m0_to_fp32
 from ._triton_utils import cannot_run, resolve_backend, triton_can_run
 from ._weight_cache import cached_bytes, cached_per_tensor
@@ -236,7 +237,7 @@ def _out_fake(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 # ---- custom ops ----------------------------------------------------------------------------------------------------
-@torch.library.custom_op("minidi::fp8_linear", mutates_args=())
+@dispatch_op("minidi::fp8_linear")
 def _fp8_linear_op(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, weight_block: int,
                    act_block: int) -> torch.Tensor:
     if not triton_can_run(x, weight, scale):
@@ -253,7 +254,7 @@ def _(x, weight, scale, weight_block, act_block):
     return _out_fake(x, weight)
 
 
-@torch.library.custom_op("minidi::fp8_linear_ref", mutates_args=())
+@dispatch_op("minidi::fp8_linear_ref")
 def _fp8_linear_ref_op(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, weight_block: int,
                        act_block: int) -> torch.Tensor:
     return fp8_linear_ref(x, weight, scale, weight_block, act_block)
@@ -270,7 +271,7 @@ def _grouped_out(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return x.new_empty(t, g, weight.shape[0] // g)
 
 
-@torch.library.custom_op("minidi::fp8_grouped_linear", mutates_args=())
+@dispatch_op("minidi::fp8_grouped_linear")
 def _fp8_grouped_linear_op(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, weight_block: int
                            ) -> torch.Tensor:
     if not triton_can_run(x, weight, scale):
@@ -287,7 +288,7 @@ def _(x, weight, scale, weight_block):
     return _grouped_out(x, weight)
 
 
-@torch.library.custom_op("minidi::fp8_grouped_linear_ref", mutates_args=())
+@dispatch_op("minidi::fp8_grouped_linear_ref")
 def _fp8_grouped_linear_ref_op(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, weight_block: int
                                ) -> torch.Tensor:
     return fp8_grouped_linear_ref(x, weight, scale, weight_block).contiguous()

@@ -24,6 +24,7 @@ import triton.language as tl
 
 from minidi.formats import E4M3_MAX, FQ8_AMAX_FLOOR, fq8_split as fq8_split_ref
 
+from ._dispatch_op import dispatch_op
 from ._triton_formats import e4m3_bits, pow2_ceil
 from ._triton_utils import cannot_run, interpreting, resolve_backend, triton_can_run
 
@@ -90,7 +91,7 @@ def fq8_split_launch(x: torch.Tensor, block: int, scales_t: bool = False) -> tup
     return q, s
 
 
-@torch.library.custom_op("minidi::fq8_split", mutates_args=())
+@dispatch_op("minidi::fq8_split")
 def _fq8_split_op(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
     if not triton_can_run(x):
         raise cannot_run("minidi::fq8_split", x)
@@ -104,7 +105,7 @@ def _(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
             x.new_empty(*x.shape[:-1], x.shape[-1] // block, dtype=torch.float32))
 
 
-@torch.library.custom_op("minidi::fq8_split_ref", mutates_args=())
+@dispatch_op("minidi::fq8_split_ref")
 def _fq8_split_ref_op(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
     return fq8_split_ref(x, block)
 

@@ -27,6 +27,7 @@ import triton.language as tl
 
 from minidi.formats import E4M3_MAX, FQ8_AMAX_FLOOR, fq8_split
 
+from ._dispatch_op import dispatch_op
 from ._triton_formats import pow2_ceil, round_e4m3
 from ._triton_utils import cannot_run, resolve_backend, triton_can_run
 
@@ -88,7 +89,7 @@ def check(x: torch.Tensor, block: int, op: str = "fq8") -> None:
 
 
 # ---- custom ops ----------------------------------------------------------------------------------------------------
-@torch.library.custom_op("minidi::fq8", mutates_args=())
+@dispatch_op("minidi::fq8")
 def _fq8_op(x: torch.Tensor, block: int) -> torch.Tensor:
     if not triton_can_run(x):
         raise cannot_run("minidi::fq8", x)
@@ -100,7 +101,7 @@ def _(x, block):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
-@torch.library.custom_op("minidi::fq8_ref", mutates_args=())
+@dispatch_op("minidi::fq8_ref")
 def _fq8_ref_op(x: torch.Tensor, block: int) -> torch.Tensor:
     return fq8_ref(x, block).contiguous()
 

@@ -46,6 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._dispatch_op import dispatch_op
 from ._triton_utils import cannot_run, interpreting, resolve_backend, triton_can_run
 
 IN_DTYPES = (torch.bfloat16, torch.float32)
@@ -180,7 +181,7 @@ def launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, x_split: st
 
 
 # ---- custom op -----------------------------------------------------------------------------------------------------
-@torch.library.custom_op("minidi::gate_tf32x3", mutates_args=())
+@dispatch_op("minidi::gate_tf32x3")
 def _gate_op(x: torch.Tensor, weight: torch.Tensor, x_split: str = "tf32") -> torch.Tensor:
     if not triton_can_run(x, weight):
         raise cannot_run("minidi::gate_tf32x3", x, weight)

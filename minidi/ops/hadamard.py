@@ -44,6 +44,7 @@ import triton.language as tl
 
 from minidi.formats import fq4_ue8m0, hadamard, hadamard_matrix
 
+from ._dispatch_op import dispatch_op
 from ._triton_formats import fq4_ue8m0_blocks
 from ._triton_utils import cannot_run, dot, interpreting, resolve_backend, round_bf16, triton_can_run
 
@@ -103,7 +104,7 @@ def launch(x: torch.Tensor, out: torch.Tensor, fq4_block: int = 0, BM: int = 64,
 
 
 # ---- custom op -----------------------------------------------------------------------------------------------------
-@torch.library.custom_op("minidi::hadamard_rotate", mutates_args=())
+@dispatch_op("minidi::hadamard_rotate")
 def _hadamard_op(x: torch.Tensor, fq4_block: int = 0) -> torch.Tensor:
     if not triton_can_run(x):
         raise cannot_run("minidi::hadamard_rotate", x)

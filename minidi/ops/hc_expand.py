@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._dispatch_op import dispatch_op
 from ._triton_utils import cannot_run, interpreting, resolve_backend, round_bf16, triton_can_run
 
 MAX_STREAMS = 16
@@ -92,7 +93,7 @@ def launch(x: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Ten
 
 
 # ---- custom op -----------------------------------------------------------------------------------------------------
-@torch.library.custom_op("minidi::hc_expand", mutates_args=())
+@dispatch_op("minidi::hc_expand")
 def _hc_expand_op(x: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     if not triton_can_run(x):
         raise cannot_run("minidi::hc_expand", x)

@@ -30,6 +30,7 @@ import triton.language as tl
 
 from . import hc_expand as _expand
 from . import hc_mix as _mix
+from ._dispatch_op import dispatch_op
 from ._triton_utils import cannot_run, interpreting, resolve_backend, round_bf16, triton_can_run
 from .hc_mix import mix_stream_step, store_collapse, store_partials
 
@@ -137,7 +138,7 @@ def _outputs(x: torch.Tensor, fn: torch.Tensor, pre: torch.Tensor | None):
     return torch.empty_like(x, memory_format=torch.contiguous_format), g, ss, u
 
 
-@torch.library.custom_op("minidi::hc_expand_mix", mutates_args=())
+@dispatch_op("minidi::hc_expand_mix")
 def _hc_expand_mix_op(x: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, fn: torch.Tensor,
                       pre: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     if not triton_can_run(x, h, post, comb, fn, pre):

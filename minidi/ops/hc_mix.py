@@ -40,6 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._dispatch_op import dispatch_op
 from ._triton_utils import cannot_run, capability, interpreting, resolve_backend, round_bf16, triton_can_run
 from ._weight_cache import cached_per_tensor
 
@@ -298,7 +299,7 @@ def partial_outputs(x: torch.Tensor, fn: torch.Tensor, pre: torch.Tensor | None)
     return g, ss, u
 
 
-@torch.library.custom_op("minidi::hc_mix_partials", mutates_args=())
+@dispatch_op("minidi::hc_mix_partials")
 def _hc_mix_op(x: torch.Tensor, fn: torch.Tensor, pre: torch.Tensor | None
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if not triton_can_run(x, fn, pre):

@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._dispatch_op import dispatch_op
 from ._triton_utils import cannot_run, resolve_backend, triton_can_run
 
 MAX_STREAMS = 16
@@ -62,7 +63,7 @@ def _sinkhorn_kernel(x_ptr, out_ptr, T, N, iters, eps, sx_t, so_t, NP: tl.conste
 
 
 # ---- custom op -----------------------------------------------------------------------------------------------------
-@torch.library.custom_op("minidi::hc_sinkhorn", mutates_args=())
+@dispatch_op("minidi::hc_sinkhorn")
 def _sinkhorn_op(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     if not triton_can_run(logits):
         raise cannot_run("minidi::hc_sinkhorn", logits)

@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._dispatch_op import dispatch_op
 from ._triton_utils import cannot_run, resolve_backend, triton_can_run
 
 DTYPES = (torch.bfloat16, torch.float32)
@@ -78,7 +79,7 @@ def launch(y: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> None:
                               ROWS=r, BV=bv, BD=bd, num_warps=4, num_stages=3)
 
 
-@torch.library.custom_op("minidi::head_logits", mutates_args=())
+@dispatch_op("minidi::head_logits")
 def _head_logits_op(y: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if not triton_can_run(y, weight):
         raise cannot_run("minidi::head_logits", y, weight)
@@ -96,7 +97,7 @@ def _(y: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return y.new_empty((y.shape[0], weight.shape[0]), dtype=torch.float32)
 
 
-@torch.library.custom_op("minidi::head_logits_ref", mutates_args=())
+@dispatch_op("minidi::head_logits_ref")
 def _head_logits_ref_op(y: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return head_logits_ref(y, weight)
 

@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._dispatch_op import dispatch_op
 from ._indexer_blocks import _pow2, _record
 from ._triton_utils import cannot_run, interpreting, mma, resolve_backend, triton_can_run
 from .indexer_fp8_quant import _launch_rebase
@@ -150,7 +151,7 @@ def positions_to_keys(pos: torch.Tensor, blocks: torch.Tensor, block: int) -> to
     return torch.where(pos >= 0, keys, -1)
 
 
-@torch.library.custom_op("minidi::indexer_topk_candidates", mutates_args=())
+@dispatch_op("minidi::indexer_topk_candidates")
 def _candidates_op(
     q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, k_start: torch.Tensor, k_end: torch.Tensor,
     blocks: torch.Tensor, block: int, topk: int, fp8: bool,

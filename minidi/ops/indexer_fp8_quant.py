@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._dispatch_op import dispatch_op
 from ._triton_formats import e4m3_bits, round_e4m3
 from ._triton_utils import cannot_run, interpreting, resolve_backend, triton_can_run
 
@@ -96,7 +97,7 @@ def _launch_rebase(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Ten
     return x8, s, ok, gok
 
 
-@torch.library.custom_op("minidi::rebase_e4m3", mutates_args=())
+@dispatch_op("minidi::rebase_e4m3")
 def _rebase_op(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     if not triton_can_run(x):
         raise cannot_run("minidi::rebase_e4m3", x)

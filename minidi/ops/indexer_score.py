@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from . import indexer_score_fp8 as _fp8
+from ._dispatch_op import dispatch_op
 from ._indexer_blocks import _block, _pow2, _record, score_outputs
 from ._triton_utils import cannot_run, interpreting, resolve_backend, triton_can_run
 from .topk import topk_indices_ref
@@ -161,7 +162,7 @@ def _launch_score(q, k, w, k_start, k_end, out_dtype, want_cmax, out=None, cmax=
 
 
 # ------------------------------------------------------------------------------------------------------- custom ops
-@torch.library.custom_op("minidi::indexer_score", mutates_args=())
+@dispatch_op("minidi::indexer_score")
 def _indexer_score_op(
     q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, k_start: torch.Tensor, k_end: torch.Tensor,
     out_dtype: torch.dtype, want_cmax: bool,

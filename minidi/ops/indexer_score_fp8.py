@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._dispatch_op import dispatch_op
 from ._triton_utils import cannot_run, interpreting, num_sms, triton_can_run
 from .indexer_fp8_quant import _launch_rebase
 from ._indexer_blocks import _block, _pow2, _record, score_outputs
@@ -283,7 +284,7 @@ def _launch_score_fp8(q, k, w, k_start, k_end, out_dtype, want_cmax, out=None, c
 
 
 # ------------------------------------------------------------------------------------------------------- custom op
-@torch.library.custom_op("minidi::indexer_score_fp8", mutates_args=())
+@dispatch_op("minidi::indexer_score_fp8")
 def _indexer_score_fp8_op(
     q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, k_start: torch.Tensor, k_end: torch.Tensor,
     out_dtype: torch.dtype, want_cmax: bool,

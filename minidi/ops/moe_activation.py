@@ -50,6 +50,7 @@ import triton.language as tl
 
 from minidi.formats import E4M3_MAX, fq8_split as fq8_split_ref, pow2_ceil
 
+from ._dispatch_op import dispatch_op
 from ._triton_formats import pow2_ceil as pow2_ceil_k
 from ._triton_formats import e4m3_bits, round_e4m3
 from ._triton_utils import (cannot_run, interpreting, local_row_count, resolve_backend, round_bf16, triton_can_run,
@@ -179,7 +180,7 @@ def _check(g, v, ws, offs, block) -> None:
         fail(f"g, v, ws and offs must be on one device, got {sorted(map(str, devs))}")
 
 
-@torch.library.custom_op("minidi::moe_activation", mutates_args=())
+@dispatch_op("minidi::moe_activation")
 def _moe_activation_op(g: torch.Tensor, v: torch.Tensor, ws: torch.Tensor, offs: torch.Tensor, limit: float,
                        block: int) -> torch.Tensor:
     """block 0: no fake quant."""
@@ -249,7 +250,7 @@ def moe_activation_fp8_ref(g: torch.Tensor, v: torch.Tensor, ws: torch.Tensor, o
     return fq8_split_ref(moe_activation_ref(g, v, ws, offs, limit, None), block)
 
 
-@torch.library.custom_op("minidi::moe_activation_fp8", mutates_args=())
+@dispatch_op("minidi::moe_activation_fp8")
 def _moe_activation_fp8_op(g: torch.Tensor, v: torch.Tensor, ws: torch.Tensor, offs: torch.Tensor, limit: float,
                            block: int) -> tuple[torch.Tensor, torch.Tensor]:
     if not triton_can_run(g, v, ws, offs):

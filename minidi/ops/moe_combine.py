@@ -34,6 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._dispatch_op import dispatch_op
 from ._triton_utils import cannot_run, resolve_backend, triton_can_run
 
 ROW_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -114,7 +115,7 @@ def combine_from_slots(rows: torch.Tensor, slot_row: torch.Tensor, k: int, out: 
 
 
 # ---- custom op -----------------------------------------------------------------------------------------------------
-@torch.library.custom_op("minidi::moe_combine", mutates_args=())
+@dispatch_op("minidi::moe_combine")
 def _moe_combine_op(rows: torch.Tensor, order: torch.Tensor, local: torch.Tensor, k: int) -> torch.Tensor:
     if not triton_can_run(rows, order, local):
         raise cannot_run("minidi::moe_combine", rows, order, local)

@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from . import fq8 as fq8_op
+from ._dispatch_op import dispatch_op
 from ._triton_utils import cannot_run, local_row_count, resolve_backend, triton_can_run
 from .fq8 import fq8_blocks
 
@@ -124,7 +125,7 @@ def _gathered(op: str, x: torch.Tensor, idx: torch.Tensor, offs: torch.Tensor, f
     return out
 
 
-@torch.library.custom_op("minidi::gather_rows", mutates_args=())
+@dispatch_op("minidi::gather_rows")
 def _gather_rows_op(x: torch.Tensor, idx: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     return _gathered("gather_rows", x, idx, offs, 0)
 
@@ -134,7 +135,7 @@ def _(x, idx, offs):
     return x.new_empty(idx.shape[0], x.shape[1])
 
 
-@torch.library.custom_op("minidi::gather_rows_fq8", mutates_args=())
+@dispatch_op("minidi::gather_rows_fq8")
 def _gather_rows_fq8_op(x: torch.Tensor, idx: torch.Tensor, offs: torch.Tensor, block: int) -> torch.Tensor:
     return _gathered("gather_rows_fq8", x, idx, offs, block)
 

@@ -23,6 +23,7 @@ import triton.language as tl
 
 from minidi.selection import topk_lowest_index
 
+from ._dispatch_op import dispatch_op
 from ._triton_utils import cannot_run, resolve_backend, triton_can_run
 
 X_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -78,7 +79,7 @@ def _check(x: torch.Tensor, k: int) -> None:
 
 
 # ---- custom op -----------------------------------------------------------------------------------------------------
-@torch.library.custom_op("minidi::row_topk", mutates_args=())
+@dispatch_op("minidi::row_topk")
 def _row_topk_op(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     if not triton_can_run(x):
         raise cannot_run("minidi::row_topk", x)

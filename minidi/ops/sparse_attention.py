@@ -53,6 +53,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._dispatch_op import dispatch_op
 from ._sparse_attention_checks import _check
 from ._sparse_attention_rope import (ROPE_OUT, ROPE_Q, _qnorm_stage, _rope_load, _rope_stage, _rope_store_values,
                                      _round_p, rope_ref, scale_q)
@@ -350,7 +351,7 @@ def launch(q: torch.Tensor, window_kv: torch.Tensor, window_idx: torch.Tensor, c
 
 
 # ---- custom op -----------------------------------------------------------------------------------------------------
-@torch.library.custom_op("minidi::sparse_attention", mutates_args=())
+@dispatch_op("minidi::sparse_attention")
 def _sparse_attention_op(q: torch.Tensor, window_kv: torch.Tensor, window_idx: torch.Tensor,
                          comp_kv: torch.Tensor | None, comp_idx: torch.Tensor | None, sink: torch.Tensor,
                          scale: float, rope_cos: torch.Tensor | None = None, rope_sin: torch.Tensor | None = None,

@@ -28,6 +28,7 @@ import triton.language as tl
 
 from minidi.selection import topk_set
 
+from ._dispatch_op import dispatch_op
 from ._triton_utils import cannot_run, interpreting, resolve_backend, triton_can_run
 
 NEG_KEY = tl.constexpr(-2139095041)  # key(-inf): every finite score has a larger key
@@ -302,7 +303,7 @@ def _launch_topk(scores, k, k_start=None, k_end=None, cmax=None, cmax_chunk=0, o
     return out
 
 
-@torch.library.custom_op("minidi::topk_indices", mutates_args=())
+@dispatch_op("minidi::topk_indices")
 def _topk_op(
     scores: torch.Tensor, k: int, k_start: torch.Tensor | None, k_end: torch.Tensor | None,
     cmax: torch.Tensor | None, cmax_chunk: int,

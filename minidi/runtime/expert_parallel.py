@@ -24,11 +24,12 @@ from __future__ import annotations
 
 import torch
 
+from minidi.ops._dispatch_op import dispatch_op
 from minidi.ops._triton_utils import triton_can_run
 from minidi.ops.rotated_rows import rotated_rows
 
 
-@torch.library.custom_op("minidi::rotated_blocks", mutates_args=())
+@dispatch_op("minidi::rotated_blocks")
 def rotated_blocks(x: torch.Tensor, size: int) -> torch.Tensor:
     """x [T, ...] -> [size * T, ...]: block r is ``x.roll(r * T // size, 0)`` (block 0 is x).
 

@@ -94,7 +94,13 @@ def _is_minidi_call(node: Any, namespaces: tuple[str, ...] = ("minidi",)) -> boo
 
 
 def _real_impl(func: Any, args: tuple, kwargs: dict) -> Callable | None:
-    """The implementation a ``torch.library.custom_op`` runs for these arguments' device (None: not such an op)."""
+    """The implementation a ``dispatch_op`` or a ``torch.library.custom_op`` runs for these arguments' device (None:
+    not such an op)."""
+    from minidi.ops._dispatch_op import impl_of
+
+    impl = impl_of(func)
+    if impl is not None:
+        return impl
     try:
         from torch._library.custom_ops import _maybe_get_opdef
 

@@ -177,7 +177,7 @@ def test_bad_inputs_are_named(change, msg):
 def test_opcheck():
     gen = torch.Generator().manual_seed(5)
     q, k, w, ks, ke, blocks = case(5, 4, 32, 30, 2, 3, torch.bfloat16, True, gen)
-    torch.library.opcheck(_candidates_op, (q, k, w, ks, ke, blocks, 2, 4, True))
+    torch.library.opcheck(_candidates_op.op, (q, k, w, ks, ke, blocks, 2, 4, True))
 
 
 @gpu
