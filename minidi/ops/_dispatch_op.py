@@ -59,7 +59,7 @@ class DispatchOp:
             if torch.is_grad_enabled() and _requires_grad(args, kwargs):
                 raise RuntimeError(f"{qualname} has no autograd: call it under torch.no_grad() or with inputs that "
                                    f"do not require grad")
-            return fn(*args, **kwargs)
+            return self.impl(*args, **kwargs)
 
         lib.impl(name, torch._disable_dynamo(checked), "CompositeExplicitAutograd")
         lib.impl(name, torch.library.fallthrough_kernel, "Autograd")
