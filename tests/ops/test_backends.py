@@ -120,6 +120,24 @@ def test_resolve_backend_in_process(monkeypatch):
         _triton_utils.resolve_backend("cuda", "op", x)
 
 
+def test_triton_can_run_by_device(monkeypatch):
+    """CUDA tensors always (fake ones stand in here), CPU tensors only under the interpreter, None skipped, a mix or
+    another device refused."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    cpu, meta = torch.zeros(2), torch.zeros(2, device="meta")
+    with FakeTensorMode():
+        cuda = torch.empty(2, device="cuda")
+    can = _triton_utils.triton_can_run
+    for interp in (True, False):
+        monkeypatch.setattr(_triton_utils, "INTERPRETER", interp)
+        assert can(cpu, None, cpu) is interp
+        assert can(cuda, None, cuda) is True and can() is True and can(None) is True
+        assert can(cuda, cpu) is False and can(cpu, cuda) is False
+        assert can(meta) is False and can(cpu, meta) is False and can(cuda, meta) is False
+
+
 COMPILE = """
 import json, sys, warnings
 import torch
