@@ -22,6 +22,8 @@ runs the benchmark once per cached-prefix length (same new tokens; one model, on
 ms/step against context beside the FLOP count (``plot_stages.py``). On a GPU, ``--profile_steps`` also profiles one
 step with the device's activity only: its idle time between kernels and the largest gaps (``gpu_idle.py``); and the
 host's top-level calls in the profiled steps, where a host-bound step spends its host time (``host_ops.py``).
+``--host_timers N`` runs N more steps with wall-clock timers on minidi's ops and the kernel launches, no profiler
+(``host_timers.py``): the host's split without the profiler's cost.
 
 Prints a card, a result table per mode and the stage table; the last line is one JSON object per mode (appended to
 ``--result_jsonl``); a Chrome trace (``.trace.json.gz``) and a PNG of the stage table go to ``--out_dir``.
@@ -43,7 +45,8 @@ from minidi.ops.fp4_grouped_gemm_configs import default_config as fp4_default_co
 from minidi.ops.fp4_grouped_gemm_configs import ptxas_version
 
 if __package__:  # imported as bench.bench_prefill: python -m bench.bench_prefill, the tests
-    from . import common, expert_loads, gpu_idle, host_ops, kernel_table, prefill_stages, prefill_workload
+    from . import (common, expert_loads, gpu_idle, host_ops, host_timers, kernel_table, prefill_stages,
+                   prefill_workload)
     from .prefill_modes import (ROUNDING, _compile_settings, _sizes, _what_ran, failed_mode, make_step,  # noqa: F401
                                 run_mode)
 else:  # run as a script (python / torchrun bench/bench_prefill.py): the script's folder is sys.path[0]
@@ -51,6 +54,7 @@ else:  # run as a script (python / torchrun bench/bench_prefill.py): the script'
     import expert_loads
     import gpu_idle
     import host_ops
+    import host_timers
     import kernel_table
     import prefill_stages
     import prefill_workload
@@ -124,6 +128,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--kernels", type=int, default=0, metavar="N",
                     help="the top N kernels of the profile (calls, ms, FLOPs / bytes, rate, %% of peak; 25 is a good "
                          "size; 0 = off). Records shapes and FLOPs in the profile (the profiler's cost grows)")
+    ap.add_argument("--host_timers", type=int, default=0, metavar="N",
+                    help="N more steps after the timed ones with timers on minidi's ops, Triton's and Inductor's "
+                         "launches, no profiler: where the host goes (host_timers.py; 0 = off)")
     ap.add_argument("--inductor_bytes", action="store_true",
                     help="with --kernels, compiled modes: Inductor's own bytes per Triton kernel (compiles with "
                          "torch._inductor.config.benchmark_kernel, FX graph cache off, recompiled per --context point)")
@@ -188,6 +195,8 @@ def resolve_sizes(args: argparse.Namespace) -> None:
     args.points = args.context or [args.cached_tokens]
     if args.kernels < 0:
         raise SystemExit(f"--kernels N: the top N kernels (0 = off), got {args.kernels}")
+    if args.host_timers < 0:
+        raise SystemExit(f"--host_timers N: steps with the host's timers on (0 = off), got {args.host_timers}")
     if args.inductor_bytes and not args.kernels:
         raise SystemExit("--inductor_bytes feeds the kernel table: add --kernels N")
     if args.inductor_bytes and args.compile_cache:
@@ -357,6 +366,8 @@ def _report_mode(res: dict, args) -> None:
         common.say(gpu_idle.format_idle(res["gpu_idle"]))
     if res.get("host_ops"):
         common.say(host_ops.format_host_ops({**res["host_ops"], "ops": res["host_ops"]["ops"][:10]}))
+    if res.get("host_timers"):
+        common.say(host_timers.format_host_timers(res["host_timers"]))
 
 
 def _report_expert_loads(wl, args, world: int, out_dir: Path) -> None:

@@ -22,12 +22,13 @@ from minidi.runtime.engine import dynamic_shape_config
 from minidi.runtime.flops import mfu, step_flops
 
 if __package__:  # imported as bench.prefill_modes (python -m bench.bench_prefill, the tests)
-    from . import common
+    from . import common, host_timers
     from .gpu_idle import profile_idle
     from .model_work import kernel_model_flops
     from .prefill_profile import Profile, profile_steps, stage_sum_note
 else:  # bench_prefill.py run as a script: the script's folder is sys.path[0]
     import common
+    import host_timers
     from gpu_idle import profile_idle
     from model_work import kernel_model_flops
     from prefill_profile import Profile, profile_steps, stage_sum_note
@@ -131,6 +132,8 @@ def run_mode(mode: str, wl, args, card: dict, out_dir: Path, held: dict | None =
         with phase(f"timing ({args.steps} steps)"):
             times = common.step_times_ms(run, args.steps, device, common.Ticker(f"[{mode}] timed steps", args.steps))
         enqueue = common.host_enqueue_ms(run, 2, device)
+        timers = host_timers.measure(run, args.host_timers, device, common.host_enqueue_ms) if args.host_timers \
+            else None
         tag = f"{cfg.name}_{mode}_ep{cfg.ep_size}" + (f"_ctx{wl.cached_tokens}" if args.context else "")
         prof, trace = Profile({}, None, [], None), None
         if args.profile_steps and (not args.no_stage_markers or args.kernels):
@@ -162,6 +165,7 @@ def run_mode(mode: str, wl, args, card: dict, out_dir: Path, held: dict | None =
         "gpu_busy_ms": prof.gpu_busy_ms and round(prof.gpu_busy_ms, 3),
         "gpu_idle": idle,  # one step profiled with device activity only: its gaps (bench/gpu_idle.py)
         "host_ops": prof.host,  # the profiled steps' top-level host calls (bench/host_ops.py)
+        "host_timers": timers,  # --host_timers: the host's split in steps with timers, no profiler
         "profile_steps": args.profile_steps, "profiled_step_sums_ms": [round(v, 3) for v in prof.step_sums],
         "pass_matches": pass_matches(step), "first_step_s": round(first.seconds, 1), "step_reused": reused,
         # from minidi.compile to the first step's logits (a warm start loads its precompiled graphs in the former)

@@ -27,7 +27,7 @@ STAGES = ("attn", "attn.core", "indexer", "moe", "moe.comm")
 PREFIX = "minidi/"
 
 _enabled = False
-_open: list = []  # record_function contexts entered and not yet exited (markers nest)
+_open: list = []  # record_function contexts entered and not yet exited (markers nest); None: entered unprofiled
 
 
 def enabled(on: bool | None = None) -> bool:
@@ -41,13 +41,18 @@ def enabled(on: bool | None = None) -> bool:
 @torch.library.custom_op("minidi::stage_mark", mutates_args=("x",))
 def stage_mark(x: torch.Tensor, name: str, enter: bool) -> None:
     """Open (``enter``) or close the profiler range ``minidi/<name>``. ``x`` is declared mutated (it is not) so the
-    compiler keeps the marker between the kernels that write ``x`` and those that read it."""
+    compiler keeps the marker between the kernels that write ``x`` and those that read it. With no profiler on, no
+    range is opened (a timed step's markers cost their dispatch only): an exit closes what its enter opened."""
     if enter:
-        rf = torch.profiler.record_function(PREFIX + name)
-        rf.__enter__()
+        rf = None
+        if torch._C._autograd._profiler_enabled():
+            rf = torch.profiler.record_function(PREFIX + name)
+            rf.__enter__()
         _open.append(rf)
     elif _open:
-        _open.pop().__exit__(None, None, None)
+        rf = _open.pop()
+        if rf is not None:
+            rf.__exit__(None, None, None)
 
 
 @stage_mark.register_fake

@@ -117,6 +117,23 @@ def test_marker_op_keeps_its_tensor():
     stages.stage_mark(x, "moe", False)  # an exit without an open range is harmless
 
 
+def test_unprofiled_markers_open_no_range_and_pairs_stay_matched():
+    """With no profiler on a marker opens no range (a timed step pays its dispatch only); an exit closes what its own
+    enter opened, also when a profiler started or stopped in between."""
+    x = torch.zeros(2)
+    stages.stage_mark(x, "attn", True)
+    assert stages._open == [None]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        stages.stage_mark(x, "moe", True)  # opened under the profiler
+        stages.stage_mark(x, "moe", False)
+        stages.stage_mark(x, "attn", False)  # entered before it: nothing to close
+        stages.stage_mark(x, "indexer", True)
+    assert len(stages._open) == 1 and stages._open[0] is not None
+    stages.stage_mark(x, "indexer", False)  # closed after the profiler stopped
+    assert stages._open == []
+    assert [e.name for e in prof.events() if e.name.startswith(stages.PREFIX)] == ["minidi/moe", "minidi/indexer"]
+
+
 @pytest.fixture(scope="module")
 def compiled(model):
     """model.step compiled once with the markers on (aot_eager, full graph), with the Dynamo graph it traced."""

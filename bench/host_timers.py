@@ -1,0 +1,152 @@
+"""Where the host goes in steps run without a profiler: wall-clock timers on the calls that enqueue a step's kernels.
+
+``host_ops.py`` reads the profiled steps, and the profiler slows every op it records. Python's cProfile misreads a
+compiled step outright: it does not see the frames of Inductor's generated code, and charges their time to a minidi
+op frame it did see (one H100 call of round 37, the V4-Flash step under cProfile: 385 of its 864 ms charged to
+``custom_op``'s backend wrapper as the wrapper's own time). Here ``--host_timers N`` runs N more steps after the timed
+ones with ``time.perf_counter`` around:
+
+- each minidi op's implementation (a ``dispatch_op``'s impl, a ``custom_op``'s backend function): its Python, its
+  kernels' launches and the aten calls inside, what the op costs the host beyond its dispatch;
+- Triton's JIT launches (``JITFunction.run``: minidi's Triton and Gluon kernels, inside the ops), per kernel;
+- Inductor's launches of its own kernels (``CachingAutotuner.run``), as one row.
+
+``step_ms`` is the host time a step took to enqueue with the timers on (``common.host_enqueue_ms``); ``timed_ms`` the
+part inside timed calls at the top level (not inside another timed call); ``rest_ms`` the remainder: Dynamo's guards,
+AOTAutograd's wrappers, Inductor's generated code between its launches (allocations, size asserts), the ops'
+dispatch. A timer costs ~0.5 us a call: with ~6,000 timed calls a step, the step's host time grows by ~3 ms.
+Off by default (the timed steps never run with timers).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+OP_PREFIX = "minidi::"
+
+
+class HostTimers:
+    """A context that installs the timers (see the module doc) and restores every patched attribute on exit."""
+
+    def __init__(self) -> None:
+        self.rows: dict[str, list] = {}  # name -> [kind, calls, seconds]
+        self.top_s = 0.0  # seconds inside timed calls at depth 0
+        self._depth = 0
+        self._undo: list[Callable[[], None]] = []
+
+    def timed(self, name: str | Callable[..., str], kind: str, fn: Callable) -> Callable:
+        """``fn`` wrapped with a timer charged to ``name`` (a str, or a function of the call's arguments)."""
+        clock, rows = time.perf_counter, self.rows
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            key = name if isinstance(name, str) else name(*args)
+            self._depth += 1
+            t = clock()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                dt = clock() - t
+                self._depth -= 1
+                if not self._depth:
+                    self.top_s += dt
+                row = rows.get(key)
+                if row is None:
+                    row = rows[key] = [kind, 0, 0.0]
+                row[1] += 1
+                row[2] += dt
+
+        return call
+
+    def _patch(self, owner: Any, attr: str, new: Any) -> None:
+        old = owner.__dict__[attr] if isinstance(owner, type) else getattr(owner, attr)
+        setattr(owner, attr, new)
+        self._undo.append(lambda: setattr(owner, attr, old))
+
+    def __enter__(self) -> HostTimers:
+        try:
+            self._install()
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def _install(self) -> None:
+        from minidi.ops import _dispatch_op
+
+        for qualname, op in _dispatch_op._OPS.items():
+            if qualname.startswith(OP_PREFIX):
+                self._patch(op, "impl", self.timed(f"op {qualname}", "op", op.impl))
+        try:  # custom ops (stages.stage_mark): torch's private registry; skipped where it moved
+            from torch._library.custom_ops import OPDEFS
+        except ImportError:
+            OPDEFS = {}
+        for qualname, opdef in OPDEFS.items():
+            fns = getattr(opdef, "_backend_fns", None)
+            if qualname.startswith(OP_PREFIX) and isinstance(fns, dict):
+                for device, fn in list(fns.items()):
+                    self._patch_item(fns, device, self.timed(f"op {qualname}", "op", fn))
+        try:
+            from triton.runtime.jit import JITFunction
+        except ImportError:
+            JITFunction = None
+        if JITFunction is not None and "run" in JITFunction.__dict__:
+            self._patch(JITFunction, "run", self.timed(_kernel_name, "triton launch", JITFunction.__dict__["run"]))
+        try:
+            from torch._inductor.runtime.triton_heuristics import CachingAutotuner
+        except ImportError:
+            CachingAutotuner = None
+        if CachingAutotuner is not None and "run" in CachingAutotuner.__dict__:
+            self._patch(CachingAutotuner, "run", self.timed("inductor launches", "inductor launch",
+                                                            CachingAutotuner.__dict__["run"]))
+
+    def _patch_item(self, d: dict, key: Any, new: Any) -> None:
+        old = d[key]
+        d[key] = new
+        self._undo.append(lambda: d.__setitem__(key, old))
+
+    def __exit__(self, *exc: Any) -> None:
+        while self._undo:
+            self._undo.pop()()
+
+    def summary(self, host_ms: list[float], top: int = 25) -> dict:
+        """{steps, step_ms, timed_ms, rest_ms, rows: the ``top`` names by time, each {name, kind, calls_per_step,
+        ms_per_step, us_per_call}} (per step: averages over ``host_ms``'s steps)."""
+        n = len(host_ms)
+        if n < 1:
+            raise ValueError("host timers: no step was timed")
+        step_ms = sum(host_ms) / n
+        timed_ms = self.top_s / n * 1e3
+        ranked = sorted(self.rows.items(), key=lambda kv: (-kv[1][2], kv[0]))[:top]
+        rows = [{"name": name, "kind": kind, "calls_per_step": round(calls / n, 2),
+                 "ms_per_step": round(s / n * 1e3, 3), "us_per_call": round(s / calls * 1e6, 1)}
+                for name, (kind, calls, s) in ranked]
+        return {"steps": n, "step_ms": round(step_ms, 3), "timed_ms": round(timed_ms, 3),
+                "rest_ms": round(step_ms - timed_ms, 3), "rows": rows}
+
+
+def _kernel_name(jit_fn: Any, *_: Any) -> str:
+    return "launch " + str(getattr(jit_fn, "__name__", None) or getattr(jit_fn, "_fn_name", "?"))
+
+
+def measure(run: Callable[[], object], steps: int, device: Any, enqueue_ms: Callable[..., list[float]],
+            top: int = 25) -> dict:
+    """``steps`` calls of ``run`` with the timers on, each timed by ``enqueue_ms(run, 1, device)`` (the device idle
+    before and after each: ``common.host_enqueue_ms``), summarised (``HostTimers.summary``)."""
+    if not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"host timers: steps must be an int >= 1, got {steps!r}")
+    with HostTimers() as timers:
+        host_ms = enqueue_ms(run, steps, device)
+    return timers.summary(host_ms, top)
+
+
+def format_host_timers(h: dict, top: int = 12) -> str:
+    """A few lines for the card."""
+    lines = [f"host, timers on ({h['steps']} steps, no profiler): {h['step_ms']:.1f} ms a step to enqueue, "
+             f"{h['timed_ms']:.1f} in timed calls, {h['rest_ms']:.1f} outside them (guards, wrappers, Inductor's "
+             f"code between launches, dispatch):"]
+    for r in h["rows"][:top]:
+        lines.append(f"  {r['ms_per_step']:8.2f} ms {r['calls_per_step']:7.1f} calls {r['us_per_call']:8.1f} us/call "
+                     f"{r['kind']:15s} {r['name'][:70]}")
+    return "\n".join(lines)
