@@ -1,0 +1,152 @@
+"""Host cost of the calls a compiled step makes around its kernels, in us a call, with no GPU work in them.
+
+    python bench/bench_host_calls.py [--calls 20000] [--compile_backend inductor] [--out F]
+
+Why: without CUDA graphs (the prefill protocol) a step's ~1,750 minidi op calls, ~2,000 Triton launches of minidi's
+kernels and ~2,000 of Inductor's (V4-Flash EP4) are each paid on the host; where the host's enqueue nears the
+kernels' time (round 37: 327-339 ms against ~331 on one H100) every us a call is ~1.75 ms a step per kind. Rows:
+
+- ``dispatch``: an op returning an empty tensor, registered as ``torch.library.custom_op``, as minidi's
+  ``dispatch_op`` (``minidi/ops/_dispatch_op.py``) and as a bare ``torch.library.Library`` op, against the plain
+  Python call; each called eagerly (under ``torch.no_grad``) and from a compiled graph (200 calls in one graph,
+  ``--compile_backend``);
+- ``stage marker``: an enter / exit pair of ``minidi.model.stages.stage_mark`` (no profiler on), per call;
+- ``triton_can_run`` over four tensors (each op call asks);
+- on CUDA: an empty Triton kernel's launch through ``JITFunction`` (six arguments), the floor of a minidi launch.
+
+Each row is the best of three rounds of ``--calls`` calls (wall clock); the last line is the JSON result.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+
+if __package__:
+    from . import common
+else:
+    import common
+
+from minidi.model import stages
+from minidi.ops._dispatch_op import dispatch_op
+from minidi.ops._triton_utils import triton_can_run
+
+GRAPH_CALLS = 200  # op calls in one compiled graph
+
+
+def _empty_like(a: torch.Tensor) -> torch.Tensor:
+    return a.new_empty(a.shape)
+
+
+def _register(ns: str) -> dict[str, Callable]:
+    """The same op body under each registration (namespace ``ns``: one per run, the dispatcher keeps names)."""
+
+    def body(a: torch.Tensor) -> torch.Tensor:
+        return a.new_empty(a.shape)
+
+    custom = torch.library.custom_op(f"{ns}::custom", mutates_args=())(body)
+    custom.register_fake(_empty_like)
+    light = dispatch_op(f"{ns}::dispatch")(body)
+    light.register_fake(_empty_like)
+    lib = torch.library.Library(ns, "FRAGMENT")
+    lib.define("bare(Tensor a) -> Tensor")
+    lib.impl("bare", body, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"{ns}::bare", _empty_like, lib=lib)
+    _register.libs.append(lib)  # (a Library unregisters its ops when collected)
+    ops = getattr(torch.ops, ns)
+    return {"custom_op": ops.custom.default, "dispatch_op": ops.dispatch.default, "Library op": ops.bare.default,
+            "python call": body}
+
+
+_register.libs = []
+
+
+def best_us(fn: Callable[[], object], calls: int, per_call: int = 1) -> float:
+    """us a call: the best of three rounds of ``calls`` calls of ``fn`` (each making ``per_call`` calls)."""
+    best = float("inf")
+    for _ in range(3):
+        t = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - t) / (calls * per_call) * 1e6)
+    return best
+
+
+def _in_graph(op: Callable, backend: str) -> Callable:
+    def chain(x):
+        for _ in range(GRAPH_CALLS):
+            x = op(x)
+        return x
+
+    return torch.compile(chain, backend=backend, fullgraph=True)
+
+
+def measure(calls: int, compile_backend: str | None, device: str) -> list[dict]:
+    rows = []
+    x = torch.zeros(4, device=device)
+    ops = _register(f"minidi_host_calls_{len(_register.libs)}")
+    with torch.no_grad():
+        for name, op in ops.items():
+            rows.append({"row": "dispatch", "name": name, "where": "eager", "us": best_us(lambda: op(x), calls)})
+        if compile_backend:
+            for name, op in ops.items():
+                g = _in_graph(op, compile_backend)
+                g(x)
+                us = best_us(lambda: g(x), max(1, calls // GRAPH_CALLS), GRAPH_CALLS)
+                rows.append({"row": "dispatch", "name": name, "where": f"compiled ({compile_backend})", "us": us})
+
+        def marker_pair():
+            stages.stage_mark(x, "attn", True)
+            stages.stage_mark(x, "attn", False)
+
+        rows.append({"row": "stage marker", "name": "stage_mark", "where": "eager",
+                     "us": best_us(marker_pair, calls, 2)})
+        four = (x, x, None, x)
+        rows.append({"row": "triton_can_run", "name": "4 tensors", "where": "eager",
+                     "us": best_us(lambda: triton_can_run(*four), calls)})
+        if common.is_cuda(device):
+            rows.append({"row": "triton launch", "name": "empty kernel, 6 args", "where": "eager",
+                         "us": _empty_launch_us(x, calls)})
+            common.sync(device)
+    return [{**r, "us": round(r["us"], 3)} for r in rows]
+
+
+def _empty_launch_us(x: torch.Tensor, calls: int) -> float:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _empty(a, b, c, n, m, k, S: tl.constexpr):
+        pass
+
+    _empty[(1,)](x, x, x, 1, 2, 3, S=4)
+    torch.cuda.synchronize()
+    return best_us(lambda: _empty[(1,)](x, x, x, 1, 2, 3, S=4), calls)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    def extra(ap):
+        ap.add_argument("--calls", type=int, default=20000, help="calls per round (best of three rounds)")
+        ap.add_argument("--compile_backend", default="inductor",
+                        help="torch.compile backend of the in-graph rows ('none': skip them)")
+
+    args, device = common.op_bench_args(__doc__, argv, extra)
+    if args.calls < 1:
+        raise SystemExit(f"--calls must be >= 1, got {args.calls}")
+    calls = min(args.calls, 400) if args.smoke else args.calls
+    backend = None if args.compile_backend == "none" else args.compile_backend
+    rows = measure(calls, backend, device)
+    common.say(f"host calls | {common.device_name(device)} | torch {torch.__version__} | best of 3 x {calls} calls")
+    for r in rows:
+        common.say(f"  {r['us']:8.3f} us  {r['row']:15s} {r['name']:22s} {r['where']}")
+    result = {"bench": "host_calls", "device": common.device_name(device), "torch": torch.__version__,
+              "calls": calls, "graph_calls": GRAPH_CALLS, "compile_backend": backend, "rows": rows}
+    common.emit_json(result, out=args.out)
+    return result
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
