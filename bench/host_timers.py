@@ -24,13 +24,15 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-OP_PREFIX = "minidi::"
+NAMESPACES = ("minidi",)  # the ops timed: these namespaces' dispatch_ops and custom ops
 
 
 class HostTimers:
-    """A context that installs the timers (see the module doc) and restores every patched attribute on exit."""
+    """A context that installs the timers (see the module doc) and restores every patched attribute on exit.
+    ``namespaces``: whose ops are timed (``NAMESPACES``; the tests add their own)."""
 
-    def __init__(self) -> None:
+    def __init__(self, namespaces: tuple[str, ...] = NAMESPACES) -> None:
+        self.prefixes = tuple(f"{ns}::" for ns in namespaces)
         self.rows: dict[str, list] = {}  # name -> [kind, calls, seconds]
         self.top_s = 0.0  # seconds inside timed calls at depth 0
         self._depth = 0
@@ -76,7 +78,7 @@ class HostTimers:
         from minidi.ops import _dispatch_op
 
         for qualname, op in _dispatch_op._OPS.items():
-            if qualname.startswith(OP_PREFIX):
+            if qualname.startswith(self.prefixes):
                 self._patch(op, "impl", self.timed(f"op {qualname}", "op", op.impl))
         try:  # custom ops (stages.stage_mark): torch's private registry; skipped where it moved
             from torch._library.custom_ops import OPDEFS
@@ -84,7 +86,7 @@ class HostTimers:
             OPDEFS = {}
         for qualname, opdef in OPDEFS.items():
             fns = getattr(opdef, "_backend_fns", None)
-            if qualname.startswith(OP_PREFIX) and isinstance(fns, dict):
+            if qualname.startswith(self.prefixes) and isinstance(fns, dict):
                 for device, fn in list(fns.items()):
                     self._patch_item(fns, device, self.timed(f"op {qualname}", "op", fn))
         try:
@@ -131,12 +133,12 @@ def _kernel_name(jit_fn: Any, *_: Any) -> str:
 
 
 def measure(run: Callable[[], object], steps: int, device: Any, enqueue_ms: Callable[..., list[float]],
-            top: int = 25) -> dict:
+            top: int = 25, namespaces: tuple[str, ...] = NAMESPACES) -> dict:
     """``steps`` calls of ``run`` with the timers on, each timed by ``enqueue_ms(run, 1, device)`` (the device idle
     before and after each: ``common.host_enqueue_ms``), summarised (``HostTimers.summary``)."""
     if not isinstance(steps, int) or steps < 1:
         raise ValueError(f"host timers: steps must be an int >= 1, got {steps!r}")
-    with HostTimers() as timers:
+    with HostTimers(namespaces) as timers:
         host_ms = enqueue_ms(run, steps, device)
     return timers.summary(host_ms, top)
 

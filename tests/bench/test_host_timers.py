@@ -13,18 +13,20 @@ from bench.host_timers import HostTimers, format_host_timers, measure
 from minidi.model import stages
 from minidi.ops._dispatch_op import _OPS, dispatch_op
 
+NS = ("minidi", "minidi_test")  # this file's ops live apart from minidi's library (whose ops all have a stage)
+
 
 def _inner(x: torch.Tensor) -> torch.Tensor:
     return x + 1
 
 
 def _outer(x: torch.Tensor) -> torch.Tensor:
-    return torch.ops.minidi.host_timers_inner(x) * 2  # an op inside an op: charged to both, once at the top level
+    return torch.ops.minidi_test.host_timers_inner(x) * 2  # an op inside an op: charged to both, once at the top level
 
 
-inner = dispatch_op("minidi::host_timers_inner")(_inner)
+inner = dispatch_op("minidi_test::host_timers_inner")(_inner)
 inner.register_fake(lambda x: torch.empty_like(x))
-outer = dispatch_op("minidi::host_timers_outer")(_outer)
+outer = dispatch_op("minidi_test::host_timers_outer")(_outer)
 outer.register_fake(lambda x: torch.empty_like(x))
 
 
@@ -46,19 +48,19 @@ def test_ops_are_counted_per_step_and_nested_time_once():
         inner(x)
 
     with torch.no_grad():
-        h = measure(step, 4, "cpu", _enqueue)
+        h = measure(step, 4, "cpu", _enqueue, namespaces=NS)
     rows = {r["name"]: r for r in h["rows"]}
-    assert rows["op minidi::host_timers_outer"]["calls_per_step"] == 3
-    assert rows["op minidi::host_timers_inner"]["calls_per_step"] == 4  # 3 inside outer + 1 at the top
+    assert rows["op minidi_test::host_timers_outer"]["calls_per_step"] == 3
+    assert rows["op minidi_test::host_timers_inner"]["calls_per_step"] == 4  # 3 inside outer + 1 at the top
     assert {r["kind"] for r in h["rows"]} == {"op"}
     assert h["steps"] == 4 and 0 < h["timed_ms"] <= h["step_ms"] and h["rest_ms"] == pytest.approx(
         h["step_ms"] - h["timed_ms"], abs=2e-3)
-    outer_ms, inner_ms = rows["op minidi::host_timers_outer"]["ms_per_step"], rows["op minidi::host_timers_inner"][
+    outer_ms, inner_ms = rows["op minidi_test::host_timers_outer"]["ms_per_step"], rows["op minidi_test::host_timers_inner"][
         "ms_per_step"]
     assert h["timed_ms"] < outer_ms + inner_ms  # the inner calls inside outer are not counted twice at the top
     assert [r["ms_per_step"] for r in h["rows"]] == sorted((r["ms_per_step"] for r in h["rows"]), reverse=True)
     text = format_host_timers(h)
-    assert "host, timers on (4 steps, no profiler)" in text and "minidi::host_timers_outer" in text
+    assert "host, timers on (4 steps, no profiler)" in text and "minidi_test::host_timers_outer" in text
 
 
 def test_everything_patched_is_put_back_also_after_an_error():
@@ -68,9 +70,9 @@ def test_everything_patched_is_put_back_also_after_an_error():
     before = (dict(CachingAutotuner.__dict__)["run"], dict(JITFunction.__dict__)["run"],
               {k: op.impl for k, op in _OPS.items()})
     with pytest.raises(KeyError):
-        with HostTimers() as t:
+        with HostTimers(NS) as t:
             assert JITFunction.__dict__["run"] is not before[1] and CachingAutotuner.__dict__["run"] is not before[0]
-            assert _OPS["minidi::host_timers_inner"].impl is not _inner
+            assert _OPS["minidi_test::host_timers_inner"].impl is not _inner
             raise KeyError("boom")
     assert t._undo == []
     after = (dict(CachingAutotuner.__dict__)["run"], dict(JITFunction.__dict__)["run"],
