@@ -55,8 +55,8 @@ def test_ops_are_counted_per_step_and_nested_time_once():
     assert {r["kind"] for r in h["rows"]} == {"op"}
     assert h["steps"] == 4 and 0 < h["timed_ms"] <= h["step_ms"] and h["rest_ms"] == pytest.approx(
         h["step_ms"] - h["timed_ms"], abs=2e-3)
-    outer_ms, inner_ms = rows["op minidi_test::host_timers_outer"]["ms_per_step"], rows["op minidi_test::host_timers_inner"][
-        "ms_per_step"]
+    outer_ms = rows["op minidi_test::host_timers_outer"]["ms_per_step"]
+    inner_ms = rows["op minidi_test::host_timers_inner"]["ms_per_step"]
     assert h["timed_ms"] < outer_ms + inner_ms  # the inner calls inside outer are not counted twice at the top
     assert [r["ms_per_step"] for r in h["rows"]] == sorted((r["ms_per_step"] for r in h["rows"]), reverse=True)
     text = format_host_timers(h)
