@@ -2,9 +2,10 @@
 
     python bench/bench_host_calls.py [--calls 20000] [--compile_backend inductor] [--out F]
 
-Why: without CUDA graphs (the prefill protocol) a step's ~1,750 minidi op calls, ~2,000 Triton launches of minidi's
-kernels and ~2,000 of Inductor's (V4-Flash EP4) are each paid on the host; where the host's enqueue nears the
-kernels' time (round 37: 327-339 ms against ~331 on one H100) every us a call is ~1.75 ms a step per kind. Rows:
+Why: without CUDA graphs (the prefill protocol) a step's ~1,750 minidi op calls (257 of them stage markers), ~2,000
+Triton launches of minidi's kernels and ~2,000 of Inductor's (V4-Flash EP4) are each paid on the host; where the host's
+enqueue nears the kernels' time (round 37: 327-339 ms against ~331 on one H100) every us a call is ~1.75 ms a step per
+kind. Rows:
 
 - ``dispatch``: an op returning an empty tensor, registered as ``torch.library.custom_op``, as minidi's
   ``dispatch_op`` (``minidi/ops/_dispatch_op.py``) and as a bare ``torch.library.Library`` op, against the plain

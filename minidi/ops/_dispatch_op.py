@@ -9,13 +9,14 @@
 
 The same op to every caller (``torch.ops.minidi.<name>``, Dynamo, Inductor, FakeTensor, ``opcheck``): the schema is
 inferred from the annotations as ``custom_op`` infers it, the function runs for every device
-(``CompositeExplicitAutograd``), its fake gives the shapes. What differs is the call. Each compiled step calls these
-ops ~1,750 times (V4-Flash EP4, 43 layers), and ``custom_op`` runs four Python frames around the function on every
-call (its autograd kernel, a redispatch below autograd, the backend wrapper with its output-aliasing check, Dynamo's
-disable wrapper). Here the autograd key falls through in C++ and only Dynamo's wrapper stays (so a frame Dynamo is
-evaluating never traces into a kernel launch). Measured on this repository's 2-core CPU (``bench/bench_host_calls.py``,
-an op returning an empty tensor, ``torch.no_grad``): 8.06 us a call through ``custom_op``, 3.62 here, 1.61 for the
-plain Python call; from a compiled graph 8.92 and 4.32 us (``docs/benchmarks/cpu_round37``).
+(``CompositeExplicitAutograd``), its fake gives the shapes. What differs is the call. Each compiled step calls these ops
+~1,500 times (V4-Flash EP4, 43 layers; H100 round 37), and ``custom_op`` runs four Python frames around the function on
+every call (its autograd kernel, a redispatch below autograd, the backend wrapper with its output-aliasing check,
+Dynamo's disable wrapper). Here the autograd key falls through in C++ and only Dynamo's wrapper stays (so a frame Dynamo
+is evaluating never traces into a kernel launch). Measured on this repository's 2-core CPU
+(``bench/bench_host_calls.py``, an op returning an empty tensor, ``torch.no_grad``): 8.06 us a call through
+``custom_op``, 3.62 here, 1.61 for the plain Python call; from a compiled graph 8.92 and 4.32 us
+(``docs/benchmarks/cpu_round37``).
 
 No autograd, as before, and said as clearly: ``custom_op`` raised at backward ("no autograd formula"); here a call
 with grad enabled and an input that requires grad raises at once, naming the op. Functional ops only (no
