@@ -12,7 +12,7 @@ kind. Rows:
   Python call; each called eagerly (under ``torch.no_grad``), the ops also from a compiled graph (200 calls in one
   graph, ``--compile_backend``);
 - ``stage marker``: an enter / exit pair of ``minidi.model.stages.stage_mark`` (no profiler on), per call;
-- ``triton_can_run`` over four tensors (each op call asks);
+- ``triton_can_run`` over four arguments, one of them None (each op call asks);
 - on CUDA: an empty Triton kernel's launch through ``JITFunction`` (six arguments), the floor of a minidi launch.
 
 Each row is the best of three rounds of ``--calls`` calls (wall clock); the last line is the JSON result.
@@ -36,6 +36,7 @@ from minidi.ops._dispatch_op import dispatch_op
 from minidi.ops._triton_utils import triton_can_run
 
 GRAPH_CALLS = 200  # op calls in one compiled graph
+_LIBRARIES: list[torch.library.Library] = []  # the bare ops' libraries, kept alive
 
 
 def _empty_like(a: torch.Tensor) -> torch.Tensor:
@@ -56,13 +57,11 @@ def _register(ns: str) -> dict[str, Callable]:
     lib.define("bare(Tensor a) -> Tensor")
     lib.impl("bare", body, "CompositeExplicitAutograd")
     torch.library.register_fake(f"{ns}::bare", _empty_like, lib=lib)
-    _register.libs.append(lib)  # (a Library unregisters its ops when collected)
+    _LIBRARIES.append(lib)  # (a Library unregisters its ops when collected)
     ops = getattr(torch.ops, ns)
     return {"custom_op": ops.custom.default, "dispatch_op": ops.dispatch.default, "Library op": ops.bare.default,
             "python call": body}
 
-
-_register.libs = []
 
 
 def best_us(fn: Callable[[], object], calls: int, per_call: int = 1) -> float:
@@ -88,7 +87,7 @@ def _in_graph(op: Callable, backend: str) -> Callable:
 def measure(calls: int, compile_backend: str | None, device: str) -> list[dict]:
     rows = []
     x = torch.zeros(4, device=device)
-    ops = _register(f"minidi_host_calls_{len(_register.libs)}")
+    ops = _register(f"minidi_host_calls_{len(_LIBRARIES)}")
     with torch.no_grad():
         for name, op in ops.items():
             rows.append({"row": "dispatch", "name": name, "where": "eager", "us": best_us(lambda: op(x), calls)})
@@ -108,7 +107,7 @@ def measure(calls: int, compile_backend: str | None, device: str) -> list[dict]:
         rows.append({"row": "stage marker", "name": "stage_mark", "where": "eager",
                      "us": best_us(marker_pair, calls, 2)})
         four = (x, x, None, x)
-        rows.append({"row": "triton_can_run", "name": "4 tensors", "where": "eager",
+        rows.append({"row": "triton_can_run", "name": "4 args, 1 None", "where": "eager",
                      "us": best_us(lambda: triton_can_run(*four), calls)})
         if common.is_cuda(device):
             rows.append({"row": "triton launch", "name": "empty kernel, 6 args", "where": "eager",

@@ -14,8 +14,8 @@ inferred from the annotations as ``custom_op`` infers it, the function runs for 
 every call (its autograd kernel, a redispatch below autograd, the backend wrapper with its output-aliasing check,
 Dynamo's disable wrapper). Here the autograd key falls through in C++ and only Dynamo's wrapper stays (so a frame Dynamo
 is evaluating never traces into a kernel launch). Measured on this repository's 2-core CPU
-(``bench/bench_host_calls.py``, an op returning an empty tensor, ``torch.no_grad``): 8.06 us a call through
-``custom_op``, 3.62 here, 1.61 for the plain Python call; from a compiled graph 8.92 and 4.32 us
+(``bench/bench_host_calls.py``, an op returning an empty tensor, ``torch.no_grad``): 7.24 us a call through
+``custom_op``, 3.44 here, 1.55 for the plain Python call; from a compiled graph 8.47 and 4.23 us
 (``docs/benchmarks/cpu_round37``).
 
 No autograd, as before, and said as clearly: ``custom_op`` raised at backward ("no autograd formula"); here a call

@@ -99,7 +99,7 @@ def interpreting() -> bool:
 
 def triton_can_run(*tensors: torch.Tensor | None) -> bool:
     """Kernels run on CUDA tensors, or on CPU tensors under the interpreter (``None`` entries are skipped). One pass,
-    no list: every op call asks (``bench/bench_host_calls.py``: 1.04 us for four tensors on this repository's CPU)."""
+    no list: every op call asks (``bench/bench_host_calls.py``: 1.02 us for four arguments on this repository's CPU)."""
     on_cuda = on_cpu = True
     for t in tensors:
         if t is None:

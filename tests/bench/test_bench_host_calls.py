@@ -16,7 +16,7 @@ def test_rows_and_json(tmp_path, capsys):
     names = {"custom_op", "dispatch_op", "Library op"}
     assert {n for (row, n, w) in rows if row == "dispatch" and w == "eager"} == names | {"python call"}
     assert {n for (row, n, w) in rows if row == "dispatch" and w == "compiled (aot_eager)"} == names
-    assert ("stage marker", "stage_mark", "eager") in rows and ("triton_can_run", "4 tensors", "eager") in rows
+    assert ("stage marker", "stage_mark", "eager") in rows and ("triton_can_run", "4 args, 1 None", "eager") in rows
     assert all(us > 0 for us in rows.values())
     assert res["calls"] == 50 and res["compile_backend"] == "aot_eager"
     assert json.loads(out.read_text()) == res
