@@ -1,7 +1,9 @@
 """The sm_90 expert GEMMs' per-weight-tensor checks decided on the device, with no host sync: the FP8 kernel's
 weight-scale fold (``fp8_grouped_gemm.fp8_fp4_grouped_mm`` uses it when it is not given a base) and the bf16
 kernel's code range (``fp4_grouped_gemm_hopper.range_gate``), cached per weight tensor (``cached_per_tensor``), and the
-two offs copies that pick the fast or the exact kernel (``gate_offs``).
+two offs copies that pick the fast or the exact kernel (``gate_offs``). The code range is also read on the host once
+per weight tensor (``code_range_known``: one sync at its first call), so the bf16 op launches only the kernel that
+runs; the device gate stays for calls that may not sync (a CUDA graph being captured).
 
 ``fold_fp4_rows`` (``fp8_grouped_gemm_sm90.py``) gives the per-row base, or None when a row cannot fold: one host
 sync. Here the same base comes from one pass over the E8M0 codes on the device, with a
@@ -96,6 +98,21 @@ def code_range_flag(w_scale: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
     _code_range_kernel[(max(1, triton.cdiv(codes.numel(), block)),)](codes, bad, codes.numel(), LO=lo, HI=hi,
                                                                     BLOCK=block)
     return bad
+
+
+def code_range_known(w_scale: torch.Tensor, lo: int, hi: int) -> bool | None:
+    """Whether every code of ``w_scale`` is in [lo, hi] or 255, read on the host once per weight-scale tensor
+    (``cached_per_tensor``: one host sync at the tensor's first call, none after). None where the answer cannot be
+    kept or fetched: a tensor without a version counter (``torch.inference_mode``: it would sync every call) or a
+    CUDA graph being captured (no sync may run); the caller then gates on the device (``code_range_gate``)."""
+    if w_scale.is_inference() or _capturing(w_scale):
+        return None
+    return cached_per_tensor(f"code_range host {lo}..{hi}", w_scale,
+                             lambda w: not bool(code_range_flag(w, lo, hi).item()))
+
+
+def _capturing(t: torch.Tensor) -> bool:
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 def code_range_gate(w_scale: torch.Tensor, offs: torch.Tensor, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:

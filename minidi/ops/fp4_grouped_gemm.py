@@ -372,9 +372,14 @@ def _fp4_grouped_mm_op(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.T
         kernel = "ws"  # (K not a multiple of 128)
     if kernel and hopper.can_run(x, w_packed):  # Hopper, bf16 x: a Gluon kernel, unless some E8M0 code would not
         # decode exactly
-        fast_offs, offs = hopper.range_gate(w_scale, offs)  # decided on the device: no host sync
         launch = sm90_rs.launch_sm90_rs if kernel == "rs" else sm90.launch_sm90
-        launch(x, w_packed, w_scale, fast_offs, out)  # then the Triton kernel below runs no tile
+        exact = hopper.codes_exact(w_scale)  # known on the host after the weight's first call
+        if exact:
+            launch(x, w_packed, w_scale, offs, out)
+            return out
+        if exact is None:  # (a CUDA graph being captured): decided on the device, both kernels launched
+            fast_offs, offs = hopper.range_gate(w_scale, offs)
+            launch(x, w_packed, w_scale, fast_offs, out)  # then the Triton kernel below runs no tile
     _launch_with_fallback(x, w_packed, w_scale, offs, out)
     return out
 

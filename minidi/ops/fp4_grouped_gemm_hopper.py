@@ -7,8 +7,9 @@ the persistent tile schedule in Gluon.
 - ``fp4_grouped_gemm_sm90.py`` ("ws"): decoder warps write the decoded weights to shared memory.
 
 ``MINIDI_FP4_GEMM_SM90`` picks one ("rs" | "ws" | "0": the Triton kernel). Weights with an E8M0 code outside
-[``CODE_LO``, ``CODE_HI``] (and not 255) are handed to the Triton kernel by ``range_gate`` (a cached device flag per
-weight tensor, no host sync).
+[``CODE_LO``, ``CODE_HI``] (and not 255) are handed to the Triton kernel: ``codes_exact`` reads a weight tensor's
+range once on the host (one sync at its first call), so a call launches one kernel; where no sync may run (a CUDA graph
+being captured) ``range_gate`` decides on the device, and both kernels are launched, one of them with no rows.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import os
 import torch
 import triton
 
-from .fp4_fold_device import code_range_gate
+from .fp4_fold_device import code_range_gate, code_range_known
 from .fp8_grouped_gemm_sm90 import HAVE_GLUON, gluon_supported
 
 if HAVE_GLUON:
@@ -56,6 +57,13 @@ def can_run(x: torch.Tensor, w_packed: torch.Tensor) -> bool:
     if torch.cuda.get_device_capability(x.device) != (9, 0):
         return False
     return x.shape[1] % BK == 0 and w_packed.shape[0] <= 511
+
+
+def codes_exact(w_scale: torch.Tensor) -> bool | None:
+    """Whether every E8M0 code decodes exactly in the Gluon kernels (in [2, 252] or 255), known on the host: once per
+    weight tensor (``fp4_fold_device.code_range_known``); None where it cannot be (``range_gate`` then decides on the
+    device)."""
+    return code_range_known(w_scale, CODE_LO, CODE_HI)
 
 
 def range_gate(w_scale: torch.Tensor, offs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -143,4 +151,4 @@ if HAVE_GLUON:
 
 
 __all__ = ["BK", "CODE_HI", "CODE_LO", "CODE_NAN", "ENV", "HOPPER_KERNELS", "can_run", "enabled", "gluon_supported",
-           "hopper_kernel", "launch_grid", "range_gate", "tma_ready"]
+           "codes_exact", "hopper_kernel", "launch_grid", "range_gate", "tma_ready"]

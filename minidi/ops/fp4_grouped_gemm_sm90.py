@@ -20,8 +20,8 @@ Per (row, block of 32) the decoder builds the 8 low and 8 high bytes of these pa
 codes (one 32-bit word) PTX ``prmt`` looks up the 8 low and 8 high bytes, ORs the sign bits into the high bytes and
 interleaves them into four bf16x2 words: 15 instructions per 8 weights. A block whose code is outside [2, 252] and
 not 255 (a weight below 2^-125 or above 2^125 is no checkpoint's) decodes to NaN bytes here; the op never sends such
-weights to this kernel: a device-side flag per weight tensor (``fp4_fold_device.code_range_gate``, one pass over
-the codes, no host sync) gives every row to the Triton kernel instead (the two kernels' offs copies).
+weights to this kernel: one pass over the codes per weight tensor (``fp4_grouped_gemm_hopper.codes_exact``, read
+on the host once; ``range_gate``'s device flag where no sync may run) gives every row to the Triton kernel instead.
 
 Measured on the H200 (round 17, ``docs/ops/fp4_grouped_gemm.md``): 1.04-1.12x the Triton kernel, 0.90-1.01x the
 FP8 kernel. Since round 18 the op takes the register-operand kernel (``fp4_grouped_gemm_sm90_rs.py``: the decode in

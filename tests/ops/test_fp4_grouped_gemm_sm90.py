@@ -3,7 +3,8 @@ weights decoded to exact bf16 in shared memory, bf16 wgmma over the whole K.
 
 CPU: the decode (``decode_ref``) equals ``dequant_fp4`` for all 16 codes x every E8M0 code it takes (2..252, 255 =
 NaN) and gives NaN for the others; the kernel's PTX decode and its Gluon table arithmetic replayed in Python against
-it; the device-side code-range flag (interpreter); (Triton 3.6 only) the kernel compiling for sm_90a with pipelined
+it; the device-side code-range flag (interpreter); which kernels the op launches on sm_90 (the range read on the host
+once per weight tensor, the device gate while a graph is captured; launches stubbed, interpreter); (Triton 3.6 only) the kernel compiling for sm_90a with pipelined
 wgmma. GPU (``gpu`` marker): the kernel vs the fp64 product on fresh random inputs, poisoned outputs, ragged and empty
 experts, rows past offs[-1] untouched, N not a multiple of the tile; the op taking this path and handing weights with
 an out-of-range code to the Triton kernel; NaN codes (255) giving NaN columns.
@@ -116,6 +117,90 @@ def test_code_range_flag(bad):
     assert flag.dtype == torch.int32 and int(flag) == (bad is not None)
     fast, exact = hopper.range_gate(ws.view(torch.float8_e8m0fnu), torch.tensor([5, 9, 9], dtype=torch.int32))
     assert (fast.tolist(), exact.tolist()) == (([0, 0, 0], [5, 9, 9]) if bad is not None else ([5, 9, 9], [0, 0, 0]))
+
+
+# ---- which kernels the op launches on sm_90 (both kernels' launches recorded; interpreter on the CPU) -------------
+class _Launches:
+    """Stand-ins for the op's launches: the Gluon kernel's (records the offs it got; fills its rows with GLUON) and
+    the Triton kernel's (records its offs, then runs the real kernel), and a count of the host reads of the range."""
+
+    GLUON = 7.0
+
+    def __init__(self, monkeypatch):
+        from minidi.ops import fp4_fold_device
+        from minidi.ops import fp4_grouped_gemm as op_mod
+
+        self.gluon, self.triton, self.reads = [], [], 0
+        self.real_triton = real_triton = op_mod._launch_with_fallback
+        real_flag = fp4_fold_device.code_range_flag
+
+        def gluon(x, w_packed, w_scale, offs, out, config=None):
+            self.gluon.append(offs.tolist())
+            out[: int(offs[-1])] = self.GLUON
+
+        def triton(x, w_packed, w_scale, offs, out):
+            self.triton.append(offs.tolist())
+            return real_triton(x, w_packed, w_scale, offs, out)
+
+        def flag(*args):
+            self.reads += 1
+            return real_flag(*args)
+
+        monkeypatch.delenv(hopper.ENV, raising=False)
+        monkeypatch.setattr(hopper, "can_run", lambda x, w: True)
+        monkeypatch.setattr(rs, "can_run", lambda x, w: True)
+        monkeypatch.setattr(rs, "launch_sm90_rs", gluon)
+        monkeypatch.setattr(op_mod, "_launch_with_fallback", triton)
+        monkeypatch.setattr(fp4_fold_device, "code_range_flag", flag)
+
+
+@pytest.mark.interpreter
+def test_op_launches_only_the_gluon_kernel_once_the_range_is_known(monkeypatch):
+    launches = _Launches(monkeypatch)
+    x, q, s, wp, ws, offs = make(3, 64, 128, [5, 0, 11], 2, seed=71)
+    for _ in range(3):
+        out = fp4_grouped_mm(x, wp, ws, offs)
+        assert (out[:16] == _Launches.GLUON).all()
+    assert launches.gluon == [[5, 5, 16]] * 3 and launches.triton == []
+    assert launches.reads == 1  # one host read for the weight tensor, none after
+    ws.view(torch.uint8)[1, 3, 2] = 0  # in place: the version moves, the range is read again
+    fp4_grouped_mm(x, wp, ws, offs)
+    assert launches.reads == 2 and launches.gluon == [[5, 5, 16]] * 3 and launches.triton == [[5, 5, 16]]
+
+
+@pytest.mark.interpreter
+def test_op_gives_every_row_to_triton_when_a_code_is_out_of_range(monkeypatch):
+    launches = _Launches(monkeypatch)
+    x, q, s, wp, ws, offs = make(3, 64, 128, [5, 0, 11], 2, seed=72)
+    ws.view(torch.uint8)[2, 63, 3] = 1  # (2^-126: below the exact decodes)
+    out = fp4_grouped_mm(x, wp, ws, offs)
+    assert launches.gluon == [] and launches.triton == [[5, 5, 16]]
+    want = torch.full_like(out, POISON)
+    launches.real_triton(x, wp, ws, offs, want)  # the Triton kernel's own numerics: tests/ops/test_fp4_grouped_gemm.py
+    assert torch.equal(out[:16], want[:16])
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("bad", [False, True])
+def test_op_gates_on_the_device_while_a_graph_is_captured(monkeypatch, bad):
+    from minidi.ops import fp4_fold_device
+
+    launches = _Launches(monkeypatch)
+    monkeypatch.setattr(fp4_fold_device, "_capturing", lambda t: True)
+    x, q, s, wp, ws, offs = make(3, 64, 128, [5, 0, 11], 2, seed=73)
+    if bad:
+        ws.view(torch.uint8)[0, 0, 0] = 1
+    fp4_grouped_mm(x, wp, ws, offs)
+    fast, exact = ([0, 0, 0], [5, 5, 16]) if bad else ([5, 5, 16], [0, 0, 0])
+    assert launches.gluon == [fast] and launches.triton == [exact] and launches.reads == 1  # the device flag's pass
+
+
+def test_range_is_not_read_on_the_host_for_an_inference_tensor():
+    from minidi.ops import fp4_fold_device
+
+    with torch.inference_mode():
+        ws = torch.full((2, 8, 4), 120, dtype=torch.uint8).view(torch.float8_e8m0fnu)
+    assert fp4_fold_device.code_range_known(ws, hopper.CODE_LO, hopper.CODE_HI) is None
 
 
 def test_module_is_inert_without_a_hopper_gpu():
