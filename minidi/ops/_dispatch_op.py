@@ -1,4 +1,4 @@
-"""``dispatch_op``: minidi's functional ops registered straight on the dispatcher, for a cheaper call than
+"""``dispatch_op``: minidi's ops registered straight on the dispatcher, for a cheaper call than
 ``torch.library.custom_op``'s.
 
     @dispatch_op("minidi::fp8_linear")
@@ -19,8 +19,12 @@ is evaluating never traces into a kernel launch). Measured on this repository's 
 (``docs/benchmarks/cpu_round37``).
 
 No autograd, as before, and said as clearly: ``custom_op`` raised at backward ("no autograd formula"); here a call
-with grad enabled and an input that requires grad raises at once, naming the op. Functional ops only (no
-``mutates_args``): a mutating op (``stages.stage_mark``) stays a ``custom_op``, which bumps its argument's version.
+with grad enabled and an input that requires grad raises at once, naming the op.
+
+``mutates_args`` declares arguments written in place, as ``custom_op``'s does (the schema marks them ``Tensor(a!)``;
+the compiler orders the op after their writers and before their readers). The stage markers use it
+(``stages.stage_mark``: declared, never written). Unlike ``custom_op``'s, an eager call does not bump the declared
+arguments' version counters: an op that does write them must bump them itself.
 """
 
 from __future__ import annotations
@@ -47,15 +51,15 @@ def _requires_grad(args: tuple, kwargs: dict) -> bool:
 
 
 class DispatchOp:
-    """One functional op on the dispatcher (see the module doc). Calling it calls ``torch.ops.<ns>.<name>``."""
+    """One op on the dispatcher (see the module doc). Calling it calls ``torch.ops.<ns>.<name>``."""
 
-    def __init__(self, qualname: str, fn: Callable) -> None:
+    def __init__(self, qualname: str, fn: Callable, mutates_args: tuple[str, ...] = ()) -> None:
         namespace, sep, name = qualname.partition("::")
         if not (sep and namespace and name):
             raise ValueError(f"dispatch_op: the name must be 'namespace::op', got {qualname!r}")
         self.qualname, self.impl = qualname, fn
         lib = _library(namespace)
-        lib.define(name + torch.library.infer_schema(fn, mutates_args=()))
+        lib.define(name + torch.library.infer_schema(fn, mutates_args=tuple(mutates_args)))
 
         def checked(*args: Any, **kwargs: Any) -> Any:
             if torch.is_grad_enabled() and _requires_grad(args, kwargs):
@@ -78,9 +82,10 @@ class DispatchOp:
         return fn
 
 
-def dispatch_op(qualname: str) -> Callable[[Callable], DispatchOp]:
-    """Register the decorated function as the functional op ``qualname`` (see the module doc)."""
-    return lambda fn: DispatchOp(qualname, fn)
+def dispatch_op(qualname: str, mutates_args: tuple[str, ...] = ()) -> Callable[[Callable], DispatchOp]:
+    """Register the decorated function as the op ``qualname``, functional unless ``mutates_args`` names arguments
+    it writes in place (see the module doc)."""
+    return lambda fn: DispatchOp(qualname, fn, mutates_args)
 
 
 def impl_of(op: Any) -> Callable | None:
