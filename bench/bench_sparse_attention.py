@@ -62,13 +62,15 @@ VARIANTS = {
     "sm90_stagger_qrope1": dict(impl="gluon_stagger", qrope=1),  # q's rotation over its chunks only, by consumer 1,
     # consumer 0 issuing its first Q K^T over D half 0 before waiting for it (the default since round 36)
     "sm90_stagger_qrope2": dict(impl="gluon_stagger", qrope=2),  # ... by consumer 0, behind that first Q K^T
+    "sm90_stagger_qrope1_ang": dict(impl="gluon_stagger", qrope=1, angles_ahead=True),  # qrope1, consumer 1 pulling
+    # the next item's cos / sin rows into L1 an item ahead (round 38)
 }
 DEFAULT = "tok_w8_bk64_s2"  # the Triton kernel's default config
 GLUON = "sm90_ws"
 SPLIT = "sm90_split"
 STAGGER = "sm90_stagger"
 STAGGER_STORES = "sm90_stagger_stores"
-QROPE = ("sm90_stagger_qrope0", "sm90_stagger_qrope1", "sm90_stagger_qrope2")
+QROPE = ("sm90_stagger_qrope0", "sm90_stagger_qrope1", "sm90_stagger_qrope2", "sm90_stagger_qrope1_ang")
 TOL = dict(rtol=2**-7, atol=1e-3)  # one bf16 ulp at the output's scale (|out| ~ 0.1-0.5 here)
 
 

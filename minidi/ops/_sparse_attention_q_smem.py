@@ -1,7 +1,8 @@
 """What the staggered sparse-attention kernel does to each item's Q in shared memory once the producer has copied it
 (``QASYNC``): q's rotation of its trailing 2 R2 channels (over Q's whole half 1, ``_rope_q_smem``, ``QROPE`` 0; over
 the 64-column chunks that hold them, ``_rope_q_tail``, ``QROPE`` 1 / 2) and V4's q-norm scale per row
-(``_scale_q_half``, ``QNORM``), and which consumer does what when (``_ready_q``). The same products
+(``_scale_q_half``, ``QNORM``), and which consumer does what when (``_ready_q``); with ``QANG`` the rotating consumer
+pulls its next item's angles into L1 an item ahead (``_prefetch_angles``). The same products
 (``mul.rn.f32``), sums and bf16 roundings as the model's ``apply_rope`` and ``rms_norm``. Its own module so that
 ``sparse_attention_sm90_stagger.py`` holds the schedule; see docs/ops/sparse_attention.md (round 36).
 """
@@ -21,14 +22,18 @@ if ws.HAVE_GLUON:
 if ws.HAVE_GLUON:
 
     @gluon.jit
-    def _ready_q(q_smem, q_bar, qs_ptr, cos_ptr, sin_ptr, t, row0, it, HID: gl.constexpr, D: gl.constexpr,
-                 R2: gl.constexpr, ROPE_Q: gl.constexpr, QROPE: gl.constexpr, QNORM: gl.constexpr):
+    def _ready_q(q_smem, q_bar, qs_ptr, cos_ptr, sin_ptr, t, t_next, row0, it, HID: gl.constexpr, D: gl.constexpr,
+                 R2: gl.constexpr, ROPE_Q: gl.constexpr, QROPE: gl.constexpr, QNORM: gl.constexpr,
+                 QANG: gl.constexpr):
         """Consumer HID's part in readying an item's Q (rows row0 .. row0 + 63 of [T H]; ``it``: the CTA's item count)
         once the producer's copy has landed. QNORM: each consumer scales its own D half (consumer 1 then rotates its
         chunk) and arrives (half 1 on q_bar 2, half 0 on q_bar 3); each waits for the other's half behind its first
         Q K^T over its own. Else, with ROPE_Q, ``QROPE``: 0 consumer 1 rotates the whole half 1 and consumer 0 waits
         here; 1 consumer 1 rotates the chunk (consumer 0 waits behind its first Q K^T); 2 consumer 0 rotates it behind
-        that Q K^T and consumer 1 waits here."""
+        that Q K^T and consumer 1 waits here. QANG: the rotating consumer first pulls the angles of its next item's
+        token ``t_next`` into L1 (``_prefetch_angles``)."""
+        if QANG and ROPE_Q and HID == (1 if (QNORM or QROPE != 2) else 0):
+            _prefetch_angles(cos_ptr, sin_ptr, t_next, R2)
         mbarrier.wait(q_bar.index(0), it & 1)
         if QNORM:
             _scale_q_half(q_smem.index(HID), qs_ptr, row0, D)
@@ -48,6 +53,19 @@ if ws.HAVE_GLUON:
             elif (HID == 0 and QROPE == 0) or (HID == 1 and QROPE == 2):
                 mbarrier.wait(q_bar.index(2), it & 1)
         fence_async_shared()  # cp.async / generic stores of Q; the wgmma reads it (async proxy)
+
+    @gluon.jit
+    def _prefetch_angles(cos_ptr, sin_ptr, t, R2: gl.constexpr):
+        """Token t's cos and sin rows (R2 fp32 each) pulled into this SM's L1 (``prefetch.global.L1``: no register
+        holds them) an item ahead, so the rotation that reads them (``_rope_q_cols``, then the output's in the store)
+        finds them there instead of waiting on L2 or HBM behind the item's Q."""
+        gl.static_assert(R2 <= 224)  # eight addresses 32 fp32 apart (the last clamped) touch every 128-byte line
+        lay: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+        i = gl.minimum(gl.arange(0, 8, layout=lay) * 32, R2 - 1)
+        gl.inline_asm_elementwise("prefetch.global.L1 [$1];\n\tmov.b32 $0, 0;", "=r,l", [cos_ptr + t * R2 + i],
+                                  dtype=gl.int32, is_pure=False, pack=1)
+        gl.inline_asm_elementwise("prefetch.global.L1 [$1];\n\tmov.b32 $0, 0;", "=r,l", [sin_ptr + t * R2 + i],
+                                  dtype=gl.int32, is_pure=False, pack=1)
 
     @gluon.jit
     def _rope_q_cols(qt, cos_ptr, sin_ptr, t, D: gl.constexpr, R2: gl.constexpr, RB: gl.constexpr,

@@ -49,6 +49,9 @@ OTMA = True  # the output through shared memory (4 [64, 64] chunks per consumer)
 # chunks, while its first Q K^T over D half 0 runs, consumer 1 waiting for it. Round 36 (H100, the bench shape, q's
 # rotation / both): 0.726 / 0.737 ms with 0, 0.707 / 0.722 with 1, 0.710 / 0.725 with 2
 QROPE = 1
+# QANG: the consumer that rotates Q pulls the next item's cos / sin rows into L1 an item ahead (prefetch.global.L1),
+# where the rotation otherwise loads them behind the wait for the item's Q (round 38; not measured yet: off)
+QANG = False
 
 
 if ws.HAVE_GLUON:
@@ -257,7 +260,7 @@ if ws.HAVE_GLUON:
                           n_pairs, n_items, scale, HID: gl.constexpr, D: gl.constexpr, BK: gl.constexpr,
                           NS: gl.constexpr, ROPE_Q: gl.constexpr, ROPE_OUT: gl.constexpr, R2: gl.constexpr,
                           QASYNC: gl.constexpr, OTMA: gl.constexpr, OC: gl.constexpr, QROPE: gl.constexpr,
-                          QNORM: gl.constexpr):
+                          QNORM: gl.constexpr, QANG: gl.constexpr):
         """Consumer HID over this CTA's work items (item w: token w // (H / 64), head block w % (H / 64): out's
         rows 64 w .. 64 w + 63 of [T H, D])."""
         HALF: gl.constexpr = D // 2
@@ -276,8 +279,9 @@ if ws.HAVE_GLUON:
             t = (w // n_hb).to(gl.int64)
             hb = w % n_hb
             if QASYNC:  # the producer copies Q; each consumer's part in scaling / rotating it (QNORM / QROPE)
-                _ready_q(q_smem, q_bar, qs_ptr, cos_ptr, sin_ptr, t, t * H + hb * M, it, HID, D, R2, ROPE_Q, QROPE,
-                         QNORM)
+                t_next = (gl.minimum(w + n_prog, n_items - 1) // n_hb).to(gl.int64)  # (QANG's prefetch)
+                _ready_q(q_smem, q_bar, qs_ptr, cos_ptr, sin_ptr, t, t_next, t * H + hb * M, it, HID, D, R2, ROPE_Q,
+                         QROPE, QNORM, QANG)
             else:
                 q_smem.index(HID).store(_q_half(q_ptr, cos_ptr, sin_ptr, t, hb, H, HID, D, ROPE_Q, R2))
                 fence_async_shared()
@@ -323,7 +327,7 @@ if ws.HAVE_GLUON:
                                        C_REGS: gl.constexpr, ROPE_Q: gl.constexpr, ROPE_OUT: gl.constexpr,
                                        R2: gl.constexpr, QASYNC: gl.constexpr,
                                        OTMA: gl.constexpr, OC: gl.constexpr, QROPE: gl.constexpr,
-                                       QNORM: gl.constexpr):
+                                       QNORM: gl.constexpr, QANG: gl.constexpr = False):
         """o_desc: out [T H, D] as a bulk-store descriptor of [64, OC] boxes (OTMA; else any value, unused); qs_ptr:
         q's row scales [T H] fp32 (QNORM, with QASYNC; else any pointer, unused)."""
         HALF: gl.constexpr = D // 2
@@ -365,11 +369,11 @@ if ws.HAVE_GLUON:
             (_consumer_stagger, (q_ptr, out_ptr, o_desc, code_ptr, sink_ptr, cos_ptr, sin_ptr, qs_ptr, q_smem, k_smem,
                                  p_smem, l0_smem, l1_smem, m0_smem, m1_smem, k_ready, k_free, q_bar, m_ready, p_ready,
                                  H, n_keys, n_pairs, n_items, scale, 0, D, BK, NS, ROPE_Q, ROPE_OUT, R2, QASYNC, OTMA,
-                                 OC, QROPE, QNORM)),
+                                 OC, QROPE, QNORM, QANG)),
             (_consumer_stagger, (q_ptr, out_ptr, o_desc, code_ptr, sink_ptr, cos_ptr, sin_ptr, qs_ptr, q_smem, k_smem,
                                  p_smem, l1_smem, l0_smem, m0_smem, m1_smem, k_ready, k_free, q_bar, m_ready, p_ready,
                                  H, n_keys, n_pairs, n_items, scale, 1, D, BK, NS, ROPE_Q, ROPE_OUT, R2, QASYNC, OTMA,
-                                 OC, QROPE, QNORM)),
+                                 OC, QROPE, QNORM, QANG)),
             (_producer_halves, (kv_ptr, code_ptr, q_ptr, k_smem, q_smem, k_ready, k_free, q_bar, comp_off, n_keys,
                                 n_pairs, n_items, H, D, BK, NS, PW, QASYNC)),
         ], [4, PW], [C_REGS, P_REGS])
@@ -380,7 +384,7 @@ def launch_sm90_stagger(q: torch.Tensor, window_kv: torch.Tensor, code: torch.Te
                         rope_sin: torch.Tensor | None = None, rope_mode: int = 0, info: dict | None = None,
                         bk: int = BK, c_regs: int = C_REGS, p_regs: int = P_REGS,
                         persistent: bool = PERSISTENT, qasync: bool = QASYNC, otma: bool = OTMA,
-                        qrope: int = QROPE, q_scale: torch.Tensor | None = None) -> None:
+                        qrope: int = QROPE, q_scale: torch.Tensor | None = None, angles_ahead: bool = QANG) -> None:
     """``launch_sm90_split``'s contract, the staggered consumers (``_sparse_attention_sm90_stagger``) with ``bk`` keys
     per block (64: 2 stages, 32: 4 stages); ``persistent``: one CTA per SM looping over the (token, head block) items
     (else one CTA per item); ``qasync``: the producer copies each item's Q as soon as the previous item's last Q K^T
@@ -388,7 +392,8 @@ def launch_sm90_stagger(q: torch.Tensor, window_kv: torch.Tensor, code: torch.Te
     ``otma``: the output through shared memory and bulk tensor stores (64-key blocks only: it reuses P's 128-byte
     swizzled buffers; a 16-byte aligned out), instead of 4-byte stores from the accumulators; ``qrope``: who
     rotates the copied Q and when (``QROPE``'s values); ``q_scale``: q's row scales [T, H] fp32, contiguous
-    (``sparse_attention.scale_q`` in the Q load; needs ``qasync``: ``scales_q``)."""
+    (``sparse_attention.scale_q`` in the Q load; needs ``qasync``: ``scales_q``); ``angles_ahead``: the rotating
+    consumer prefetches its next item's cos / sin rows into L1 (``QANG``; with ``qasync``)."""
     if q_scale is not None and not qasync:
         raise ValueError("sparse_attention sm90 stagger: q_scale needs qasync=True (the consumers' own Q load has no "
                          "scale; the op scales q before such a launch)")
@@ -408,11 +413,11 @@ def launch_sm90_stagger(q: torch.Tensor, window_kv: torch.Tensor, code: torch.Te
         q, window_kv, code, sink, out, o_desc, rope_cos, rope_sin, sink if q_scale is None else q_scale, comp_off, h,
         code.shape[1], n_items, float(scale), D=d, BK=bk, NS=ns, PW=PW, P_REGS=p_regs, C_REGS=c_regs,
         ROPE_Q=bool(rope_mode & 1), ROPE_OUT=bool(rope_mode & 2), R2=r2, QASYNC=qasync, OTMA=otma, OC=OC, QROPE=qrope,
-        QNORM=q_scale is not None, num_warps=4, maxnreg=MAXNREG)
+        QNORM=q_scale is not None, QANG=bool(angles_ahead), num_warps=4, maxnreg=MAXNREG)
     if info is not None:
         info.update(impl="gluon_sm90_stagger", grid=grid, BK=bk, NS=ns, PW=PW, c_regs=c_regs, p_regs=p_regs,
                     persistent=persistent, qasync=qasync, otma=otma, qrope=qrope,
-                    q_scale=q_scale is not None)
+                    q_scale=q_scale is not None, angles_ahead=bool(angles_ahead))
         ws.kernel_info(kernel, info)
 
 

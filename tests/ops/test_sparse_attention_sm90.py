@@ -41,6 +41,8 @@ KERNELS = {impl: (impl, {}) for impl in SM90_KERNELS} | {
     "gluon_stagger_qrope0": ("gluon_stagger", dict(qrope=0)),  # q's rotation over Q's whole half 1 first (< round 36)
     "gluon_stagger_qrope1": ("gluon_stagger", dict(qrope=1)),  # q's rotated chunks only, consumer 0 not waiting first
     "gluon_stagger_qrope2": ("gluon_stagger", dict(qrope=2))}  # ... rotated by consumer 0 behind its first Q K^T
+KERNELS |= {f"{name}_ang": ("gluon_stagger", opts | dict(angles_ahead=True))  # the next item's angles prefetched
+            for name, (impl, opts) in list(KERNELS.items()) if name.startswith("gluon_stagger_qrope")}
 each_kernel = pytest.mark.parametrize("impl", list(KERNELS))
 
 
@@ -185,26 +187,29 @@ def test_gpu_q_scale_equals_the_model_norm(impl, mode):
 
 @pytest.mark.gpu
 @needs_sm90
+@pytest.mark.parametrize("ang", ["", "_ang"])
 @pytest.mark.parametrize("qrope", [0, 1, 2])
 @pytest.mark.parametrize("r2", [4, 32, 40, 128])
-def test_gpu_stagger_q_rotation_owners_bit_equal(qrope, r2):
+def test_gpu_stagger_q_rotation_owners_bit_equal(qrope, r2, ang):
     """Whoever rotates the copied Q (``qrope``; 1 and 2 over only the 64-column chunks holding the 2 r2 rotated
-    channels: one chunk at r2 4 and 32, two at 40, the whole half at 128), the result is eager's rotation before the
-    kernel, bit for bit, with more items than SMs and ragged key lists."""
+    channels: one chunk at r2 4 and 32, two at 40, the whole half at 128), with or without the next item's angles
+    prefetched (``ang``), the result is eager's rotation before the kernel, bit for bit, with more items than SMs and
+    ragged key lists."""
     t, h, d, w, k = 300, 128, 512, 17, 45
     args = _case(t, h, d, w, k, nw=t + w + 3, nc=4096, dtype=torch.bfloat16, seed=12 + r2, device="cuda")
     cos, sin = _angles(t, r2, device="cuda")
-    out = _gluon(f"gluon_stagger_qrope{qrope}", *args, d**-0.5, cos, sin, ROPE_Q)
+    out = _gluon(f"gluon_stagger_qrope{qrope}{ang}", *args, d**-0.5, cos, sin, ROPE_Q)
     assert torch.equal(out, _gluon("gluon_stagger", apply_rope(args[0], cos, sin), *args[1:], d**-0.5))
 
 
 # ---- compiles for sm_90a on the CPU (Triton's compiler and ptxas need no GPU) -----------------------------------
-def _compile_report(impl: str, pipe: bool, opt: int = 0, qrope: int = stagger.QROPE, qnorm: bool = False) -> dict:
+def _compile_report(impl: str, pipe: bool, opt: int = 0, qrope: int = stagger.QROPE, qnorm: bool = False,
+                    qang: bool = False) -> dict:
     """Compile one Gluon kernel for sm_90a, both rotations on, as the launchers specialise it (16-byte aligned pointers
     and comp_off): its wgmma instruction counts by shape, setmaxnreg, shared memory, local-memory (spill) accesses,
     global stores and bulk tensor stores in its SASS. ``pipe``: "gluon" / "gluon_split" PIPE, "gluon_stagger" OTMA;
-    ``opt``: "gluon_split" ZQ, "gluon_stagger" the keys per block; ``qrope`` / ``qnorm``: "gluon_stagger"'s QROPE /
-    QNORM."""
+    ``opt``: "gluon_split" ZQ, "gluon_stagger" the keys per block; ``qrope`` / ``qnorm`` / ``qang``:
+    "gluon_stagger"'s QROPE / QNORM / QANG (and the L1 prefetches in its PTX)."""
     from minidi.ops import sparse_attention_sm90_split as split
 
     from .gluon_compile import compile_sm90, sass
@@ -223,7 +228,7 @@ def _compile_report(impl: str, pipe: bool, opt: int = 0, qrope: int = stagger.QR
         otma = pipe and opt == stagger.OC
         fn, consts = stagger._sparse_attention_sm90_stagger, consts | dict(
             BK=opt, NS=stagger.STAGES[opt], P_REGS=stagger.P_REGS, C_REGS=stagger.C_REGS, QASYNC=stagger.QASYNC,
-            OTMA=otma, OC=stagger.OC, QROPE=qrope, QNORM=qnorm)
+            OTMA=otma, OC=stagger.OC, QROPE=qrope, QNORM=qnorm, QANG=qang)
         ptrs["qs_ptr"] = torch.float32
         if otma:
             descs = dict(o_desc=stagger.TensorDescriptor(torch.empty(64, 512, dtype=torch.bfloat16), [64, 512],
@@ -237,19 +242,21 @@ def _compile_report(impl: str, pipe: bool, opt: int = 0, qrope: int = stagger.QR
     local = len(re.findall(r"\s(?:LDL|STL)[\s.]", text))
     return dict(wgmma={sh: shapes.count(sh) for sh in set(shapes)}, setmaxnreg="setmaxnreg" in ptx,
                 shared=kern.metadata.shared, local=local, stg=len(re.findall(r"\sSTG[\s.]", text)),
-                tma_stores=len(re.findall(r"\sUTMASTG[\s.]", text)))
+                tma_stores=len(re.findall(r"\sUTMASTG[\s.]", text)), prefetch=ptx.count("prefetch.global.L1"))
 
 
 @pytest.mark.skipif(not sm90.gluon_supported(), reason="Gluon API of a tested Triton version (3.6) not installed")
 @pytest.mark.parametrize("impl,pipe,opt,qrope", [
     ("gluon", False, 0, 0), ("gluon_split", False, 0, 0), ("gluon_split", True, 0, 0), ("gluon_split", False, 1, 0),
     ("gluon_stagger", False, 64, 0), ("gluon_stagger", True, 64, 0), ("gluon_stagger", False, 32, 0),
-    ("gluon_stagger", True, 64, 1), ("gluon_stagger", True, 64, 2), ("gluon_stagger", True, 64, "norm")])
+    ("gluon_stagger", True, 64, 1), ("gluon_stagger", True, 64, 2), ("gluon_stagger", True, 64, "norm"),
+    ("gluon_stagger", True, 64, "ang")])
 def test_kernels_compile_for_sm90a(impl, pipe, opt, qrope):
     """The Gluon kernels compile, with the wgmma shapes of each design (one instruction per MMA of a key block) and
     shared memory within the H200's 227 KB; the staggered kernel and the split one with ZQ (almost) without spills; the
     staggered one with OTMA stores its output only by bulk tensor stores, whoever rotates its Q (``qrope``), and with
-    q's row scales in its Q load ("norm").
+    q's row scales in its Q load ("norm"), and with the next item's angles prefetched into L1 ("ang": QROPE 1, QANG;
+    the others have no prefetch).
     Compiled in a fresh process: a Triton kernel run by the interpreter in this process (other tests) patches the
     language and the Gluon front end then fails."""
     import json
@@ -257,9 +264,9 @@ def test_kernels_compile_for_sm90a(impl, pipe, opt, qrope):
     import sys
 
     pytest.importorskip("triton.backends.nvidia.compiler")
+    qr = qrope if isinstance(qrope, int) else {"norm": 0, "ang": 1}[qrope]
     code = ("import json; from tests.ops.test_sparse_attention_sm90 import _compile_report; "
-            f"print(json.dumps(_compile_report({impl!r}, {pipe}, {opt}, {qrope if qrope != 'norm' else 0}, "
-            f"{qrope == 'norm'})))")
+            f"print(json.dumps(_compile_report({impl!r}, {pipe}, {opt}, {qr}, {qrope == 'norm'}, {qrope == 'ang'})))")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -282,6 +289,7 @@ def test_kernels_compile_for_sm90a(impl, pipe, opt, qrope):
         assert rep["local"] <= 16
         if pipe:  # OTMA: the output only through bulk tensor stores, 4 chunks per consumer
             assert (rep["stg"], rep["tma_stores"]) == (0, 8)
+        assert (rep["prefetch"] > 0) == (qrope == "ang")  # cos and sin rows, by the rotating consumer
 
 
 def test_q_scale_routing_and_stagger_launcher_refusals():
