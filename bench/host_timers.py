@@ -9,14 +9,18 @@ ones with ``time.perf_counter`` around:
 - each minidi op's implementation (a ``dispatch_op``'s impl, a ``custom_op``'s backend function): its Python, its
   kernels' launches and the aten calls inside, what the op costs the host beyond its dispatch;
 - Triton's JIT launches (``JITFunction.run``: minidi's Triton and Gluon kernels, inside the ops), per kernel;
-- Inductor's launches of its own kernels (``CachingAutotuner.run``), as one row.
+- Inductor's launches of its own kernels (``CachingAutotuner.run``), as one row;
+- each call of an Inductor graph (``CompiledFxGraph.__call__``: its generated code, with the launches and op calls
+  inside it), as one row.
 
 ``step_ms`` is the host time a step took to enqueue with the timers on (``common.host_enqueue_ms``); ``timed_ms`` the
 part inside timed calls at the top level (not inside another timed call); ``rest_ms`` the remainder: Dynamo's guards,
-AOTAutograd's wrappers, Inductor's generated code between its launches (allocations, size asserts), the ops'
-dispatch. A timer adds a ``perf_counter`` pair and a dict update to each timed call (~6,000 a V4-Flash step), so
-``step_ms`` reads a little above the untimed ``host_enqueue_ms``. Off by default (the timed steps never run with
-timers).
+AOTAutograd's wrappers around the graphs, the model's Python between them, the dispatch of ops called outside a graph.
+Each row has its total and its self time (the total less the timed calls directly inside it): the graph row's self
+time is Inductor's generated code between its launches and op calls (allocations, size asserts), an op's is its
+Python and aten calls besides its Triton launches. A timer adds a ``perf_counter`` pair and a dict update to each
+timed call (~6,000 a V4-Flash step), so ``step_ms`` reads a little above the untimed ``host_enqueue_ms``. Off by
+default (the timed steps never run with timers).
 """
 
 from __future__ import annotations
@@ -34,31 +38,34 @@ class HostTimers:
 
     def __init__(self, namespaces: tuple[str, ...] = NAMESPACES) -> None:
         self.prefixes = tuple(f"{ns}::" for ns in namespaces)
-        self.rows: dict[str, list] = {}  # name -> [kind, calls, seconds]
+        self.rows: dict[str, list] = {}  # name -> [kind, calls, seconds, self seconds]
         self.top_s = 0.0  # seconds inside timed calls at depth 0
-        self._depth = 0
+        self._inner: list[float] = []  # per open timed call: seconds of the timed calls directly inside it
         self._undo: list[Callable[[], None]] = []
 
     def timed(self, name: str | Callable[..., str], kind: str, fn: Callable) -> Callable:
         """``fn`` wrapped with a timer charged to ``name`` (a str, or a function of the call's arguments)."""
-        clock, rows = time.perf_counter, self.rows
+        clock, rows, inner = time.perf_counter, self.rows, self._inner
 
         def call(*args: Any, **kwargs: Any) -> Any:
             key = name if isinstance(name, str) else name(*args)
-            self._depth += 1
+            inner.append(0.0)
             t = clock()
             try:
                 return fn(*args, **kwargs)
             finally:
                 dt = clock() - t
-                self._depth -= 1
-                if not self._depth:
+                nested = inner.pop()
+                if inner:
+                    inner[-1] += dt
+                else:
                     self.top_s += dt
                 row = rows.get(key)
                 if row is None:
-                    row = rows[key] = [kind, 0, 0.0]
+                    row = rows[key] = [kind, 0, 0.0, 0.0]
                 row[1] += 1
                 row[2] += dt
+                row[3] += dt - nested
 
         return call
 
@@ -103,6 +110,13 @@ class HostTimers:
         if CachingAutotuner is not None and "run" in CachingAutotuner.__dict__:
             self._patch(CachingAutotuner, "run", self.timed("inductor launches", "inductor launch",
                                                             CachingAutotuner.__dict__["run"]))
+        try:
+            from torch._inductor.output_code import CompiledFxGraph
+        except ImportError:
+            CompiledFxGraph = None
+        if CompiledFxGraph is not None and "__call__" in CompiledFxGraph.__dict__:
+            self._patch(CompiledFxGraph, "__call__", self.timed("inductor graphs", "inductor graph",
+                                                                CompiledFxGraph.__dict__["__call__"]))
 
     def _patch_item(self, d: dict, key: Any, new: Any) -> None:
         old = d[key]
@@ -115,7 +129,7 @@ class HostTimers:
 
     def summary(self, host_ms: list[float], top: int = 25) -> dict:
         """{steps, step_ms, timed_ms, rest_ms, rows: the ``top`` names by time, each {name, kind, calls_per_step,
-        ms_per_step, us_per_call}} (per step: averages over ``host_ms``'s steps)."""
+        ms_per_step, self_ms_per_step, us_per_call}} (per step: averages over ``host_ms``'s steps)."""
         n = len(host_ms)
         if n < 1:
             raise ValueError("host timers: no step was timed")
@@ -123,8 +137,9 @@ class HostTimers:
         timed_ms = self.top_s / n * 1e3
         ranked = sorted(self.rows.items(), key=lambda kv: (-kv[1][2], kv[0]))[:top]
         rows = [{"name": name, "kind": kind, "calls_per_step": round(calls / n, 2),
-                 "ms_per_step": round(s / n * 1e3, 3), "us_per_call": round(s / calls * 1e6, 1)}
-                for name, (kind, calls, s) in ranked]
+                 "ms_per_step": round(s / n * 1e3, 3), "self_ms_per_step": round(own / n * 1e3, 3),
+                 "us_per_call": round(s / calls * 1e6, 1)}
+                for name, (kind, calls, s, own) in ranked]
         return {"steps": n, "step_ms": round(step_ms, 3), "timed_ms": round(timed_ms, 3),
                 "rest_ms": round(step_ms - timed_ms, 3), "rows": rows}
 
@@ -147,9 +162,9 @@ def measure(run: Callable[[], object], steps: int, device: Any, enqueue_ms: Call
 def format_host_timers(h: dict, top: int = 12) -> str:
     """A few lines for the card."""
     lines = [f"host, timers on ({h['steps']} steps, no profiler): {h['step_ms']:.1f} ms a step to enqueue, "
-             f"{h['timed_ms']:.1f} in timed calls, {h['rest_ms']:.1f} outside them (guards, wrappers, Inductor's "
-             f"code between launches, dispatch):"]
+             f"{h['timed_ms']:.1f} in timed calls, {h['rest_ms']:.1f} outside them (guards, wrappers, the model's "
+             f"Python between graphs); per row its total and self ms:"]
     for r in h["rows"][:top]:
-        lines.append(f"  {r['ms_per_step']:8.2f} ms {r['calls_per_step']:7.1f} calls {r['us_per_call']:8.1f} us/call "
-                     f"{r['kind']:15s} {r['name'][:70]}")
+        lines.append(f"  {r['ms_per_step']:8.2f} ms {r['self_ms_per_step']:8.2f} self {r['calls_per_step']:7.1f} "
+                     f"calls {r['us_per_call']:8.1f} us/call {r['kind']:15s} {r['name'][:60]}")
     return "\n".join(lines)

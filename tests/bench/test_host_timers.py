@@ -58,26 +58,47 @@ def test_ops_are_counted_per_step_and_nested_time_once():
     outer_ms = rows["op minidi_test::host_timers_outer"]["ms_per_step"]
     inner_ms = rows["op minidi_test::host_timers_inner"]["ms_per_step"]
     assert h["timed_ms"] < outer_ms + inner_ms  # the inner calls inside outer are not counted twice at the top
+    outer_self = rows["op minidi_test::host_timers_outer"]["self_ms_per_step"]
+    assert 0 < outer_self < outer_ms  # its own time: less the inner calls inside it
+    assert rows["op minidi_test::host_timers_inner"]["self_ms_per_step"] == inner_ms  # nothing timed inside it
+    assert h["timed_ms"] == pytest.approx(outer_self + inner_ms, abs=2e-3)  # the self times add up to the total
     assert [r["ms_per_step"] for r in h["rows"]] == sorted((r["ms_per_step"] for r in h["rows"]), reverse=True)
     text = format_host_timers(h)
     assert "host, timers on (4 steps, no profiler)" in text and "minidi_test::host_timers_outer" in text
 
 
 def test_everything_patched_is_put_back_also_after_an_error():
+    from torch._inductor.output_code import CompiledFxGraph
     from torch._inductor.runtime.triton_heuristics import CachingAutotuner
     from triton.runtime.jit import JITFunction
 
-    before = (dict(CachingAutotuner.__dict__)["run"], dict(JITFunction.__dict__)["run"],
-              {k: op.impl for k, op in _OPS.items()})
+    def patched():
+        return (dict(CachingAutotuner.__dict__)["run"], dict(JITFunction.__dict__)["run"],
+                dict(CompiledFxGraph.__dict__)["__call__"], {k: op.impl for k, op in _OPS.items()})
+
+    before = patched()
     with pytest.raises(KeyError):
         with HostTimers(NS) as t:
-            assert JITFunction.__dict__["run"] is not before[1] and CachingAutotuner.__dict__["run"] is not before[0]
+            now = patched()
+            assert all(a is not b for a, b in zip(now[:3], before[:3]))
             assert _OPS["minidi_test::host_timers_inner"].impl is not _inner
             raise KeyError("boom")
     assert t._undo == []
-    after = (dict(CachingAutotuner.__dict__)["run"], dict(JITFunction.__dict__)["run"],
-             {k: op.impl for k, op in _OPS.items()})
-    assert after == before
+    assert patched() == before
+
+
+def test_an_inductor_graph_call_is_a_row_with_the_ops_inside_it_nested():
+    x = torch.randn(8)
+    fn = torch.compile(lambda a: torch.ops.minidi_test.host_timers_inner(a.sin()).cos(), backend="inductor",
+                       fullgraph=True)
+    with torch.no_grad():
+        fn(x)  # compiled outside the timers
+        h = measure(lambda: fn(x), 3, "cpu", _enqueue, namespaces=NS)
+    rows = {r["name"]: r for r in h["rows"]}
+    graph, op = rows["inductor graphs"], rows["op minidi_test::host_timers_inner"]
+    assert graph["kind"] == "inductor graph" and graph["calls_per_step"] == 1 and op["calls_per_step"] == 1
+    assert graph["self_ms_per_step"] == pytest.approx(graph["ms_per_step"] - op["ms_per_step"], abs=2e-3)
+    assert h["timed_ms"] == pytest.approx(graph["ms_per_step"], abs=2e-3)  # the op ran inside the graph
 
 
 def test_a_launch_is_charged_to_its_kernel():
