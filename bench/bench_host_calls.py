@@ -13,7 +13,9 @@ kind. Rows:
   graph, ``--compile_backend``);
 - ``stage marker``: an enter / exit pair of ``minidi.model.stages.stage_mark`` (no profiler on), per call;
 - ``triton_can_run`` over four arguments, one of them None (each op call asks);
-- on CUDA: an empty Triton kernel's launch through ``JITFunction`` (six arguments), the floor of a minidi launch.
+- on CUDA: an empty Triton kernel's launch through ``JITFunction`` (six arguments), the floor of a minidi launch;
+- on sm_90: an FP8 linear's pieces at a shape too small to be GPU-bound (``_fp8_linear_rows``): the input's split,
+  cuBLAS's block-scaled GEMM, the Gluon GEMM and the whole op on either (V4-Flash makes 322 such calls a step).
 
 Each row is the best of three rounds of ``--calls`` calls (wall clock); the last line is the JSON result.
 """
@@ -112,6 +114,7 @@ def measure(calls: int, compile_backend: str | None, device: str) -> list[dict]:
         if common.is_cuda(device):
             rows.append({"row": "triton launch", "name": "empty kernel, 6 args", "where": "eager",
                          "us": _empty_launch_us(x, calls)})
+            rows += _fp8_linear_rows(device, calls)
             common.sync(device)
     return [{**r, "us": round(r["us"], 3)} for r in rows]
 
@@ -127,6 +130,46 @@ def _empty_launch_us(x: torch.Tensor, calls: int) -> float:
     _empty[(1,)](x, x, x, 1, 2, 3, S=4)
     torch.cuda.synchronize()
     return best_us(lambda: _empty[(1,)](x, x, x, 1, 2, 3, S=4), calls)
+
+
+def _fp8_linear_rows(device: str, calls: int) -> list[dict]:
+    """On sm_90: the host cost of an FP8 linear's pieces at a shape whose GPU time is far below it (M 128, N 1,024,
+    K 1,024, 128-blocks): the input's split, cuBLAS's block-scaled GEMM (``torch._scaled_mm``), the Gluon GEMM, and
+    the whole ``minidi::fp8_linear`` on either GEMM (``MINIDI_FP8_GEMM_LIB``)."""
+    import os
+
+    from minidi.ops import fp8_gemm_cublas as cublas
+    from minidi.ops import fp8_gemm_sm90 as gluon
+    from minidi.ops.fp8_linear import FP8_GEMM_LIB_ENV, fp8_linear
+    from minidi.ops.fp8_quant import fq8_split_launch
+
+    m, n, k, b = 128, 1024, 1024, 128
+    x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+    w = (torch.randn(n, k, device=device) * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
+    codes = torch.full((n // b, k // b), 120, dtype=torch.uint8, device=device)
+    q, s = fq8_split_launch(x, b)
+    if not (gluon.can_run(q, w, b) and cublas.can_run(q, w)):
+        return []
+    q_t, s_t = fq8_split_launch(x, b, scales_t=True)
+    sw, sw_t = cublas.weight_scales(codes), gluon.weight_scale_t(codes)
+    pieces = {"fq8_split (scales M-major)": lambda: fq8_split_launch(x, b, scales_t=True),
+              "torch._scaled_mm": lambda: cublas.fp8_gemm_cublas(q_t, s_t, w, sw, torch.bfloat16),
+              "Gluon FP8 GEMM": lambda: gluon.fp8_gemm_sm90(q, s, w, codes, b, w_scale_t=sw_t)}
+    rows = [{"row": "fp8 linear", "name": name, "where": "eager", "us": best_us(fn, calls)}
+            for name, fn in pieces.items()]
+    before = os.environ.get(FP8_GEMM_LIB_ENV)
+    try:
+        for lib in ("auto", "gluon"):
+            os.environ[FP8_GEMM_LIB_ENV] = lib
+            fp8_linear(x, w, codes, b, b)
+            rows.append({"row": "fp8 linear", "name": f"minidi::fp8_linear, {lib}", "where": "eager",
+                         "us": best_us(lambda: fp8_linear(x, w, codes, b, b), calls)})
+    finally:
+        if before is None:
+            os.environ.pop(FP8_GEMM_LIB_ENV, None)
+        else:
+            os.environ[FP8_GEMM_LIB_ENV] = before
+    return rows
 
 
 def main(argv: list[str] | None = None) -> dict:
