@@ -47,10 +47,7 @@ def _empty_like(a: torch.Tensor) -> torch.Tensor:
 
 def _register(ns: str) -> dict[str, Callable]:
     """The same op body under each registration (namespace ``ns``: one per run, the dispatcher keeps names)."""
-
-    def body(a: torch.Tensor) -> torch.Tensor:
-        return a.new_empty(a.shape)
-
+    body = _empty_like
     custom = torch.library.custom_op(f"{ns}::custom", mutates_args=())(body)
     custom.register_fake(_empty_like)
     light = dispatch_op(f"{ns}::dispatch")(body)
@@ -63,7 +60,6 @@ def _register(ns: str) -> dict[str, Callable]:
     ops = getattr(torch.ops, ns)
     return {"custom_op": ops.custom.default, "dispatch_op": ops.dispatch.default, "Library op": ops.bare.default,
             "python call": body}
-
 
 
 def best_us(fn: Callable[[], object], calls: int, per_call: int = 1) -> float:

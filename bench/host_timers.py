@@ -6,7 +6,7 @@ op frame it did see (one H100 call of round 37, the V4-Flash step under cProfile
 ``custom_op``'s backend wrapper as the wrapper's own time). Here ``--host_timers N`` runs N more steps after the timed
 ones with ``time.perf_counter`` around:
 
-- each minidi op's implementation (a ``dispatch_op``'s impl, a ``custom_op``'s backend function): its Python, its
+- each minidi op's implementation (a ``dispatch_op``'s impl; every minidi op is one): its Python, its
   kernels' launches and the aten calls inside, what the op costs the host beyond its dispatch;
 - Triton's JIT launches (``JITFunction.run``: minidi's Triton and Gluon kernels, inside the ops), per kernel;
 - Inductor's launches of its own kernels (``CachingAutotuner.run``), as one row;
@@ -25,6 +25,7 @@ default (the timed steps never run with timers).
 
 from __future__ import annotations
 
+import importlib
 import time
 from collections.abc import Callable
 from typing import Any
@@ -88,40 +89,21 @@ class HostTimers:
         for qualname, op in _dispatch_op._OPS.items():
             if qualname.startswith(self.prefixes):
                 self._patch(op, "impl", self.timed(f"op {qualname}", "op", op.impl))
-        try:  # custom ops (stages.stage_mark): torch's private registry; skipped where it moved
-            from torch._library.custom_ops import OPDEFS
-        except ImportError:
-            OPDEFS = {}
-        for qualname, opdef in OPDEFS.items():
-            fns = getattr(opdef, "_backend_fns", None)
-            if qualname.startswith(self.prefixes) and isinstance(fns, dict):
-                for device, fn in list(fns.items()):
-                    self._patch_item(fns, device, self.timed(f"op {qualname}", "op", fn))
-        try:
-            from triton.runtime.jit import JITFunction
-        except ImportError:
-            JITFunction = None
-        if JITFunction is not None and "run" in JITFunction.__dict__:
-            self._patch(JITFunction, "run", self.timed(_kernel_name, "triton launch", JITFunction.__dict__["run"]))
-        try:
-            from torch._inductor.runtime.triton_heuristics import CachingAutotuner
-        except ImportError:
-            CachingAutotuner = None
-        if CachingAutotuner is not None and "run" in CachingAutotuner.__dict__:
-            self._patch(CachingAutotuner, "run", self.timed("inductor launches", "inductor launch",
-                                                            CachingAutotuner.__dict__["run"]))
-        try:
-            from torch._inductor.output_code import CompiledFxGraph
-        except ImportError:
-            CompiledFxGraph = None
-        if CompiledFxGraph is not None and "__call__" in CompiledFxGraph.__dict__:
-            self._patch(CompiledFxGraph, "__call__", self.timed("inductor graphs", "inductor graph",
-                                                                CompiledFxGraph.__dict__["__call__"]))
+        self._patch_method("triton.runtime.jit", "JITFunction", "run", _kernel_name, "triton launch")
+        self._patch_method("torch._inductor.runtime.triton_heuristics", "CachingAutotuner", "run",
+                           "inductor launches", "inductor launch")
+        self._patch_method("torch._inductor.output_code", "CompiledFxGraph", "__call__", "inductor graphs",
+                           "inductor graph")
 
-    def _patch_item(self, d: dict, key: Any, new: Any) -> None:
-        old = d[key]
-        d[key] = new
-        self._undo.append(lambda: d.__setitem__(key, old))
+    def _patch_method(self, module: str, cls_name: str, attr: str, name: str | Callable[..., str], kind: str) -> None:
+        """Time ``module.cls_name.attr`` (defined on that class itself); skipped where this version has no such
+        class or method."""
+        try:
+            cls = getattr(importlib.import_module(module), cls_name)
+        except (ImportError, AttributeError):
+            return
+        if attr in cls.__dict__:
+            self._patch(cls, attr, self.timed(name, kind, cls.__dict__[attr]))
 
     def __exit__(self, *exc: Any) -> None:
         while self._undo:

@@ -3,7 +3,7 @@
 ``torch.profiler.record_function`` is dropped by Dynamo, and Inductor reorders kernels across anything that has no
 data dependency. So a marker here is a custom op that *mutates* the boundary tensor (it changes nothing): every
 kernel that produces the tensor runs before it, every kernel that reads it after, in eager and compiled code alike.
-It is registered on the dispatcher (``dispatch_op``): 2.2 us a call where it cost 11.0 as a ``custom_op`` (2-core CPU,
+It is registered on the dispatcher (``dispatch_op``): 2.27 us a call where it cost 11.0 as a ``custom_op`` (2-core CPU,
 ``bench/bench_host_calls.py``, ``docs/benchmarks/cpu_round38``), for 257 marker calls a V4-Flash step.
 Markers sit at GEMM boundaries (module inputs / outputs), where nothing would fuse across them anyway.
 

@@ -327,7 +327,7 @@ if ws.HAVE_GLUON:
                                        C_REGS: gl.constexpr, ROPE_Q: gl.constexpr, ROPE_OUT: gl.constexpr,
                                        R2: gl.constexpr, QASYNC: gl.constexpr,
                                        OTMA: gl.constexpr, OC: gl.constexpr, QROPE: gl.constexpr,
-                                       QNORM: gl.constexpr, QANG: gl.constexpr = False):
+                                       QNORM: gl.constexpr, QANG: gl.constexpr):
         """o_desc: out [T H, D] as a bulk-store descriptor of [64, OC] boxes (OTMA; else any value, unused); qs_ptr:
         q's row scales [T H] fp32 (QNORM, with QASYNC; else any pointer, unused)."""
         HALF: gl.constexpr = D // 2

@@ -129,7 +129,7 @@ def test_the_benchmark_line_carries_the_split(tmp_path, capsys):
         stages.enabled(prev)
     h = lines[0]["host_timers"]
     assert h["steps"] == 2 and h["step_ms"] > 0 and h["rows"]
-    marks = {r["name"]: r for r in h["rows"]}["op minidi::stage_mark"]  # the eager step's custom op: the markers
+    marks = {r["name"]: r for r in h["rows"]}["op minidi::stage_mark"]  # the eager step's marker op
     assert marks["kind"] == "op" and marks["calls_per_step"] > 0 and marks["calls_per_step"] == int(
         marks["calls_per_step"])
     assert "host, timers on (2 steps, no profiler)" in capsys.readouterr().out
