@@ -1,13 +1,13 @@
 """The Hopper Gluon path of minidi::fp4_grouped_mm (``minidi/ops/fp4_grouped_gemm_sm90.py``): bf16 activations, FP4
 weights decoded to exact bf16 in shared memory, bf16 wgmma over the whole K.
 
-CPU: the decode (``decode_ref``) equals ``dequant_fp4`` for all 16 codes x every E8M0 code it takes (2..252, 255 =
-NaN) and gives NaN for the others; the kernel's PTX decode and its Gluon table arithmetic replayed in Python against
-it; the device-side code-range flag (interpreter); which kernels the op launches on sm_90 (the range read on the host
-once per weight tensor, the device gate while a graph is captured; launches stubbed, interpreter); (Triton 3.6
-only) the kernel compiling for sm_90a with pipelined wgmma. GPU (``gpu`` marker): the kernel vs the fp64 product on fresh random inputs, poisoned outputs, ragged and empty
-experts, rows past offs[-1] untouched, N not a multiple of the tile; the op taking this path and handing weights with
-an out-of-range code to the Triton kernel; NaN codes (255) giving NaN columns.
+CPU: the decode (``decode_ref``) equals ``dequant_fp4`` for all 16 codes x every E8M0 code it takes (2..252, 255 = NaN)
+and gives NaN for the others; the kernel's PTX decode and its Gluon table arithmetic replayed in Python against it; the
+device-side code-range flag (interpreter); which kernels the op launches on sm_90 (the range read on the host once per
+weight tensor, the device gate while a graph is captured; launches stubbed, interpreter); (Triton 3.6 only) the kernel
+compiling for sm_90a with pipelined wgmma. GPU (``gpu`` marker): the kernel vs the fp64 product on fresh random inputs,
+poisoned outputs, ragged and empty experts, rows past offs[-1] untouched, N not a multiple of the tile; the op taking
+this path and handing weights with an out-of-range code to the Triton kernel; NaN codes (255) giving NaN columns.
 """
 
 from __future__ import annotations
