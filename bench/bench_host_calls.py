@@ -13,7 +13,8 @@ kind. Rows:
   graph, ``--compile_backend``);
 - ``stage marker``: an enter / exit pair of ``minidi.model.stages.stage_mark`` (no profiler on), per call;
 - ``triton_can_run`` over four arguments, one of them None (each op call asks);
-- on CUDA: an empty Triton kernel's launch through ``JITFunction`` (six arguments), the floor of a minidi launch;
+- on CUDA: a Triton launch through ``JITFunction.run`` and through ``fast_launch``'s kept kernel, an empty kernel
+  (six arguments, the floor of a launch) and the mHC gate's launcher (``_gate_kernel``, 20 arguments);
 - on sm_90: an FP8 linear's pieces at a shape too small to be GPU-bound (``_fp8_linear_rows``): the input's split,
   cuBLAS's block-scaled GEMM, the Gluon GEMM and the whole op on either (V4-Flash makes 322 such calls a step).
 
@@ -27,6 +28,7 @@ import time
 from collections.abc import Callable
 
 import torch
+import triton.language as tl
 
 if __package__:
     from . import common
@@ -108,24 +110,45 @@ def measure(calls: int, compile_backend: str | None, device: str) -> list[dict]:
         rows.append({"row": "triton_can_run", "name": "4 args, 1 None", "where": "eager",
                      "us": best_us(lambda: triton_can_run(*four), calls)})
         if common.is_cuda(device):
-            rows.append({"row": "triton launch", "name": "empty kernel, 6 args", "where": "eager",
-                         "us": _empty_launch_us(x, calls)})
+            rows += _launch_rows(x, calls)
             rows += _fp8_linear_rows(device, calls)
             common.sync(device)
     return [{**r, "us": round(r["us"], 3)} for r in rows]
 
 
-def _empty_launch_us(x: torch.Tensor, calls: int) -> float:
+def _empty_kernel(a, b, c, n, m, k, S: tl.constexpr):  # (Triton resolves ``tl`` in this module's globals)
+    pass
+
+
+def _launch_rows(x: torch.Tensor, calls: int) -> list[dict]:
+    """A Triton launch's host cost through ``JITFunction.run`` and through ``fast_launch``'s kept kernel
+    (``minidi/ops/_fast_launch.py``; its rows only where this Triton is one it was checked on): an empty kernel of six
+    arguments (the floor), and ``gate_tf32x3.launch`` (its ``_gate_kernel`` has 20, the launcher's Python included)
+    on a shape whose GPU time is far below it."""
     import triton
-    import triton.language as tl
 
-    @triton.jit
-    def _empty(a, b, c, n, m, k, S: tl.constexpr):
-        pass
+    from minidi.ops import _fast_launch as fl
+    from minidi.ops.gate_tf32x3 import launch as gate_launch
 
-    _empty[(1,)](x, x, x, 1, 2, 3, S=4)
-    torch.cuda.synchronize()
-    return best_us(lambda: _empty[(1,)](x, x, x, 1, 2, 3, S=4), calls)
+    empty = fl.fast_launch(triton.jit(_empty_kernel))
+    gx, gw = torch.zeros(64, 256, device=x.device), torch.zeros(8, 256, device=x.device)
+    gout = torch.empty(64, 8, device=x.device)
+    calls_of = {"empty kernel, 6 args": lambda: empty[(1,)](x, x, x, 1, 2, 3, S=4),
+                "gate_tf32x3.launch, 20 args": lambda: gate_launch(gx, gw, gout)}
+    rows, enabled = [], fl.ENABLED
+    try:
+        for path, on in (("JITFunction.run", False), ("fast_launch", True)):
+            if on and not enabled:
+                continue
+            fl.ENABLED = on
+            for name, fn in calls_of.items():
+                fn()
+                torch.cuda.synchronize()
+                rows.append({"row": "triton launch", "name": f"{name}, {path}", "where": "eager",
+                             "us": best_us(fn, calls)})
+    finally:
+        fl.ENABLED = enabled
+    return rows
 
 
 def _fp8_linear_rows(device: str, calls: int) -> list[dict]:

@@ -23,7 +23,9 @@ ms/step against context beside the FLOP count (``plot_stages.py``). On a GPU, ``
 step with the device's activity only: its idle time between kernels and the largest gaps (``gpu_idle.py``); and the
 host's top-level calls in the profiled steps, where a host-bound step spends its host time (``host_ops.py``).
 ``--host_timers N`` runs N more steps with wall-clock timers on minidi's ops and the kernel launches, no profiler
-(``host_timers.py``): the host's split without the profiler's cost.
+(``host_timers.py``): the host's split without the profiler's cost. ``--launch_ab N`` runs N rounds of the same step
+with minidi's Triton launches through Triton's ``JITFunction.run`` and through ``fast_launch``'s kept kernels,
+alternating (``launch_ab.py``).
 
 Prints a card, a result table per mode and the stage table; the last line is one JSON object per mode (appended to
 ``--result_jsonl``); a Chrome trace (``.trace.json.gz``) and a PNG of the stage table go to ``--out_dir``.
@@ -45,7 +47,7 @@ from minidi.ops.fp4_grouped_gemm_configs import default_config as fp4_default_co
 from minidi.ops.fp4_grouped_gemm_configs import ptxas_version
 
 if __package__:  # imported as bench.bench_prefill: python -m bench.bench_prefill, the tests
-    from . import (common, expert_loads, gpu_idle, host_ops, host_timers, kernel_table, prefill_stages,
+    from . import (common, expert_loads, gpu_idle, host_ops, host_timers, kernel_table, launch_ab, prefill_stages,
                    prefill_workload)
     from .prefill_modes import (ROUNDING, _compile_settings, _sizes, _what_ran, failed_mode, make_step,  # noqa: F401
                                 run_mode)
@@ -56,6 +58,7 @@ else:  # run as a script (python / torchrun bench/bench_prefill.py): the script'
     import host_ops
     import host_timers
     import kernel_table
+    import launch_ab
     import prefill_stages
     import prefill_workload
     from prefill_modes import (ROUNDING, _compile_settings, _sizes, _what_ran, failed_mode, make_step,  # noqa: F401
@@ -131,6 +134,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--host_timers", type=int, default=0, metavar="N",
                     help="N more steps after the timed ones with timers on minidi's ops, Triton's and Inductor's "
                          "launches, no profiler: where the host goes (host_timers.py; 0 = off)")
+    ap.add_argument("--launch_ab", type=int, default=0, metavar="N",
+                    help="N rounds after the timed steps of the step with every Triton launch through "
+                         "JITFunction.run against fast_launch's kept kernels, alternating (launch_ab.py; 0 = off)")
     ap.add_argument("--inductor_bytes", action="store_true",
                     help="with --kernels, compiled modes: Inductor's own bytes per Triton kernel (compiles with "
                          "torch._inductor.config.benchmark_kernel, FX graph cache off, recompiled per --context point)")
@@ -197,6 +203,8 @@ def resolve_sizes(args: argparse.Namespace) -> None:
         raise SystemExit(f"--kernels N: the top N kernels (0 = off), got {args.kernels}")
     if args.host_timers < 0:
         raise SystemExit(f"--host_timers N: steps with the host's timers on (0 = off), got {args.host_timers}")
+    if args.launch_ab < 0:
+        raise SystemExit(f"--launch_ab N: rounds of the launch paths' A/B (0 = off), got {args.launch_ab}")
     if args.inductor_bytes and not args.kernels:
         raise SystemExit("--inductor_bytes feeds the kernel table: add --kernels N")
     if args.inductor_bytes and args.compile_cache:
@@ -368,6 +376,8 @@ def _report_mode(res: dict, args) -> None:
         common.say(host_ops.format_host_ops({**res["host_ops"], "ops": res["host_ops"]["ops"][:10]}))
     if res.get("host_timers"):
         common.say(host_timers.format_host_timers(res["host_timers"]))
+    if res.get("launch_ab"):
+        common.say(launch_ab.format_launch_ab(res["launch_ab"]))
 
 
 def _report_expert_loads(wl, args, world: int, out_dir: Path) -> None:

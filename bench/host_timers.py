@@ -8,7 +8,9 @@ ones with ``time.perf_counter`` around:
 
 - each minidi op's implementation (a ``dispatch_op``'s impl; every minidi op is one): its Python, its
   kernels' launches and the aten calls inside, what the op costs the host beyond its dispatch;
-- Triton's JIT launches (``JITFunction.run``: minidi's Triton and Gluon kernels, inside the ops), per kernel;
+- Triton's JIT launches (``JITFunction.run``, and ``fast_launch``'s ``run`` in front of it: minidi's Triton and
+  Gluon kernels, inside the ops), per kernel; a launch that goes through both (a first launch, or one the fast path
+  leaves to Triton) counts twice in its row;
 - Inductor's launches of its own kernels (``CachingAutotuner.run``), as one row;
 - each call of an Inductor graph (``CompiledFxGraph.__call__``: its generated code, with the launches and op calls
   inside it), as one row.
@@ -90,6 +92,7 @@ class HostTimers:
             if qualname.startswith(self.prefixes):
                 self._patch(op, "impl", self.timed(f"op {qualname}", "op", op.impl))
         self._patch_method("triton.runtime.jit", "JITFunction", "run", _kernel_name, "triton launch")
+        self._patch_method("minidi.ops._fast_launch", "_FastRun", "run", _kernel_name, "triton launch")
         self._patch_method("torch._inductor.runtime.triton_heuristics", "CachingAutotuner", "run",
                            "inductor launches", "inductor launch")
         self._patch_method("torch._inductor.output_code", "CompiledFxGraph", "__call__", "inductor graphs",

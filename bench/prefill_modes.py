@@ -22,13 +22,14 @@ from minidi.runtime.engine import dynamic_shape_config
 from minidi.runtime.flops import mfu, step_flops
 
 if __package__:  # imported as bench.prefill_modes (python -m bench.bench_prefill, the tests)
-    from . import common, host_timers
+    from . import common, host_timers, launch_ab
     from .gpu_idle import profile_idle
     from .model_work import kernel_model_flops
     from .prefill_profile import Profile, profile_steps, stage_sum_note
 else:  # bench_prefill.py run as a script: the script's folder is sys.path[0]
     import common
     import host_timers
+    import launch_ab
     from gpu_idle import profile_idle
     from model_work import kernel_model_flops
     from prefill_profile import Profile, profile_steps, stage_sum_note
@@ -134,6 +135,7 @@ def run_mode(mode: str, wl, args, card: dict, out_dir: Path, held: dict | None =
         enqueue = common.host_enqueue_ms(run, 2, device)
         timers = host_timers.measure(run, args.host_timers, device, common.host_enqueue_ms) if args.host_timers \
             else None
+        ab = launch_ab.measure(run, args.launch_ab, device) if args.launch_ab else None
         tag = f"{cfg.name}_{mode}_ep{cfg.ep_size}" + (f"_ctx{wl.cached_tokens}" if args.context else "")
         prof, trace = Profile({}, None, [], None), None
         if args.profile_steps and (not args.no_stage_markers or args.kernels):
@@ -166,6 +168,7 @@ def run_mode(mode: str, wl, args, card: dict, out_dir: Path, held: dict | None =
         "gpu_idle": idle,  # one step profiled with device activity only: its gaps (bench/gpu_idle.py)
         "host_ops": prof.host,  # the profiled steps' top-level host calls (bench/host_ops.py)
         "host_timers": timers,  # --host_timers: the host's split in steps with timers, no profiler
+        "launch_ab": ab,  # --launch_ab: the step with Triton's launch path against fast_launch's, alternating
         "profile_steps": args.profile_steps, "profiled_step_sums_ms": [round(v, 3) for v in prof.step_sums],
         "pass_matches": pass_matches(step), "first_step_s": round(first.seconds, 1), "step_reused": reused,
         # from minidi.compile to the first step's logits (a warm start loads its precompiled graphs in the former)

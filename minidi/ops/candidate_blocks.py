@@ -37,6 +37,7 @@ import triton.language as tl
 from minidi.selection import topk_picks
 
 from ._dispatch_op import dispatch_op
+from ._fast_launch import fast_launch
 from ._triton_utils import cannot_run, resolve_backend, round_bf16, triton_can_run
 from .topk import _key, _kth
 
@@ -77,6 +78,7 @@ def candidate_blocks_ref(scores: torch.Tensor, k_start: torch.Tensor, k_end: tor
 
 
 # ---- kernels -------------------------------------------------------------------------------------------------------
+@fast_launch
 @triton.jit
 def _block_max_kernel(s_ptr, ks_ptr, ke_ptr, out_ptr, N, NB, stride_s, stride_o,
                       BLOCK: tl.constexpr, BP: tl.constexpr, NBT: tl.constexpr, ROUND: tl.constexpr):
@@ -100,6 +102,7 @@ def _block_max_kernel(s_ptr, ks_ptr, ke_ptr, out_ptr, N, NB, stride_s, stride_o,
     tl.store(out_ptr + row.to(tl.int64) * stride_o + b, mx, mask=b < NB)
 
 
+@fast_launch
 @triton.jit
 def _block_select_kernel(bm_ptr, out_ptr, NB, stride_b, stride_o, K: tl.constexpr, NBP: tl.constexpr,
                          FAST_SCANS: tl.constexpr):

@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from ._dispatch_op import dispatch_op
+from ._fast_launch import fast_launch
 from ._triton_utils import cannot_run, resolve_backend, triton_can_run
 
 IDX_DTYPES = (torch.int32, torch.int64)
@@ -57,6 +58,7 @@ def _bins(flat_ptr, c, R, E, BLOCK: tl.constexpr):
     return loc, tl.where(row < R, b, E + 1).to(tl.int32)
 
 
+@fast_launch
 @triton.jit
 def _chunk_hist_kernel(flat_ptr, hist_ptr, R, E, BLOCK: tl.constexpr, EB: tl.constexpr):
     c = tl.program_id(0)
@@ -64,6 +66,7 @@ def _chunk_hist_kernel(flat_ptr, hist_ptr, R, E, BLOCK: tl.constexpr, EB: tl.con
     tl.store(hist_ptr + c * EB + tl.arange(0, EB), tl.histogram(b, EB))
 
 
+@fast_launch
 @triton.jit
 def _chunk_offsets_kernel(hist_ptr, off_ptr, counts_ptr, C, E, EB: tl.constexpr, CB: tl.constexpr):
     bins = tl.arange(0, EB)
@@ -85,6 +88,7 @@ def _chunk_offsets_kernel(hist_ptr, off_ptr, counts_ptr, C, E, EB: tl.constexpr,
         carry += tl.sum(h, axis=0)
 
 
+@fast_launch
 @triton.jit
 def _chunk_scatter_kernel(flat_ptr, off_ptr, order_ptr, R, E, BLOCK: tl.constexpr, EB: tl.constexpr):
     c = tl.program_id(0)

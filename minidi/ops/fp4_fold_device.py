@@ -21,9 +21,11 @@ import torch
 import triton
 import triton.language as tl
 
+from ._fast_launch import fast_launch
 from ._weight_cache import cached_per_tensor
 from .fp8_grouped_gemm_sm90 import FOLD_SPAN
 
+@fast_launch
 @triton.jit
 def _fold_rows_kernel(ws_ptr, base_ptr, bad_ptr, ROWS, NB, BR: tl.constexpr, NB_P2: tl.constexpr,
                       SPAN: tl.constexpr):
@@ -42,6 +44,7 @@ def _fold_rows_kernel(ws_ptr, base_ptr, bad_ptr, ROWS, NB, BR: tl.constexpr, NB_
         tl.atomic_max(bad_ptr, bad)
 
 
+@fast_launch
 @triton.jit
 def _gate_offs_kernel(offs_ptr, bad_ptr, fold_offs_ptr, exact_offs_ptr, E, E_P2: tl.constexpr):
     """offs for the folded kernel (offs, or all zeros = no rows, when some row does not fold) and for the exact
@@ -80,6 +83,7 @@ def gate_offs(offs: torch.Tensor, bad: torch.Tensor) -> tuple[torch.Tensor, torc
     return fast_offs, exact_offs
 
 
+@fast_launch
 @triton.jit
 def _code_range_kernel(ws_ptr, bad_ptr, NUMEL, LO: tl.constexpr, HI: tl.constexpr, BLOCK: tl.constexpr):
     """*bad_ptr = 1 when some E8M0 code is outside [LO, HI] and not 255 (NaN)."""

@@ -55,6 +55,7 @@ from . import fp4_grouped_gemm_hopper as hopper
 from . import fp4_grouped_gemm_sm90 as sm90
 from . import fp4_grouped_gemm_sm90_rs as sm90_rs
 from ._dispatch_op import dispatch_op
+from ._fast_launch import fast_launch
 from .fp4_grouped_gemm_configs import (DECODES, SCALED_EP1, SCALED_EP4, SCALED_SMALL, Fp4GemmConfig,  # noqa: F401
                                        default_config, fallback_chain)
 from ._triton_formats import e8m0_to_fp32
@@ -147,6 +148,7 @@ def _decode_e2m1_asm(p, s, BN: tl.constexpr, BK: tl.constexpr):
     return tl.reshape(tl.join(lo, hi), (BN, BK))
 
 
+@fast_launch
 @triton.jit
 def _fp4_grouped_mm_kernel(
         x_ptr, w_ptr, s_ptr, offs_ptr, out_ptr,

@@ -47,6 +47,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ._fast_launch import fast_launch
 from .fp4_grouped_gemm_hopper import BK, CODE_HI, CODE_LO, launch_grid, tma_ready
 from .fp8_grouped_gemm_sm90 import HAVE_GLUON
 
@@ -330,6 +331,7 @@ if HAVE_GLUON:
             o_ptrs = out_ptr + rows.to(gl.int64)[:, None] * stride_o + cols[None, :]
             gl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(rows < m_end)[:, None] & (cols < N)[None, :])
 
+    @fast_launch
     @gluon.jit
     def _fp4_grouped_mm_sm90(x_desc, w_desc, ws_ptr, offs_ptr, out_ptr, R, N, E, K, NUM_PROGS, stride_o,
                              BM: gl.constexpr, BN: gl.constexpr, NS: gl.constexpr, E_POW2: gl.constexpr,

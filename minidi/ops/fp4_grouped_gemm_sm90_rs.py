@@ -72,6 +72,7 @@ from dataclasses import dataclass
 import torch
 
 from . import fp4_grouped_gemm_hopper as hopper
+from ._fast_launch import fast_launch
 from ._fp4_rs_decode import _DECODE_ASM, E2M1_BF16, NAN_SCALE, TABLES, packed_layouts
 from .fp4_grouped_gemm_hopper import BK, CODE_HI, CODE_LO, CODE_NAN, launch_grid, tma_ready
 from .fp8_grouped_gemm_sm90 import HAVE_GLUON
@@ -252,6 +253,7 @@ if HAVE_GLUON:
             o_ptrs = out_ptr + rows.to(gl.int64)[:, None] * stride_o + cols[None, :]
             gl.store(o_ptrs, o, mask=(rows < m_end)[:, None] & (cols < N)[None, :])
 
+    @fast_launch
     @gluon.jit
     def _fp4_grouped_mm_sm90_rs(x_desc, w_desc, ws_ptr, offs_ptr, out_ptr, R, N, E, K, NUM_PROGS, stride_o,
                                 BT: gl.constexpr, BW: gl.constexpr, NS: gl.constexpr, E_POW2: gl.constexpr,

@@ -10,6 +10,7 @@ accumulators.
 
 from __future__ import annotations
 
+from ._fast_launch import fast_launch
 from .fp8_grouped_gemm_sm90 import HAVE_GLUON
 
 if HAVE_GLUON:
@@ -206,6 +207,7 @@ if HAVE_GLUON:
                     i = _tile_chunked(x_bufs, p_bufs, ready, empty, ws_e, out_ptr, row_off, m0, m_end, n0, N,
                                       ksteps, stride_o, i, NS, BW, 256, 0, NW, DECODE_ASM, LO, HI, AHEAD)
 
+    @fast_launch
     @gluon.jit
     def _fp4_grouped_mm_sm90_rs_chunked(x_desc, w_desc, ws_ptr, offs_ptr, out_ptr, R, N, E, K, NUM_PROGS, stride_o,
                                         BT: gl.constexpr, BW: gl.constexpr, NS: gl.constexpr, E_POW2: gl.constexpr,

@@ -59,6 +59,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
+from ._fast_launch import fast_launch
 from ._triton_utils import capability, num_sms
 from .fp8_gemm import BLOCKS, check_args, weight_scale_fp32
 
@@ -295,6 +296,7 @@ if HAVE_GLUON:
         if EPI_TMA:
             tma.store_wait(0)
 
+    @fast_launch
     @gluon.jit
     def _fp8_gemm_sm90_gluon(a_desc, b_desc, sx_desc, sw_desc, c_desc, sx_ptr, sw_ptr, out_ptr,
                               M, N, K, NUM_PROGS, stride_sx, stride_sw, stride_o,

@@ -38,6 +38,7 @@ from minidi.formats import FP4_BLOCK, dequant_fp4
 
 from . import fp8_grouped_gemm_sm90 as sm90
 from ._dispatch_op import dispatch_op
+from ._fast_launch import fast_launch
 from .fp4_fold_device import fold_gate
 from ._triton_formats import e8m0_to_fp32
 from ._grouped_tiles import e_pow2, expert_m_tiles, m_tile_rows
@@ -104,6 +105,7 @@ def e2m1_to_e4m3(p, ROWS: tl.constexpr, COLS: tl.constexpr):
     return byte.to(tl.uint8).to(tl.float8e4nv, bitcast=True)
 
 
+@fast_launch
 @triton.jit
 def _fp8_fp4_grouped_mm_kernel(
         q_ptr, s_ptr, w_ptr, ws_ptr, offs_ptr, out_ptr,

@@ -46,6 +46,7 @@ import torch
 import triton
 
 from minidi.formats import FP4_BLOCK
+from minidi.ops._fast_launch import fast_launch
 
 try:  # Gluon's Hopper API as Triton 3.6 has it; absent or renamed elsewhere: the Triton kernel is used instead
     from triton.experimental import gluon
@@ -374,6 +375,7 @@ if HAVE_GLUON:
                 o_ptrs = out_ptr + rows.to(gl.int64)[:, None] * stride_o + cols[None, :]
                 gl.store(o_ptrs, y.to(out_ptr.dtype.element_ty), mask=(rows < m_end)[:, None] & (cols < N)[None, :])
 
+    @fast_launch
     @gluon.jit
     def _fp8_fp4_grouped_mm_sm90(q_desc, w_desc, s_ptr, ws_ptr, base_ptr, offs_ptr, out_ptr,
                                  R, N, E, K, NUM_PROGS, stride_s, stride_o,

@@ -62,6 +62,7 @@ import triton.language as tl
 from minidi.formats import dequant_fp8
 
 from ._dispatch_op import dispatch_op
+from ._fast_launch import fast_launch
 from ._triton_formats import e4m3_byte_to_fp32, e8m0_to_fp32
 from ._triton_utils import cannot_run, resolve_backend, triton_can_run
 from ._weight_cache import cached_bytes, cached_per_tensor
@@ -99,6 +100,7 @@ def fp8_grouped_linear_ref(x: torch.Tensor, weight: torch.Tensor, scale: torch.T
 
 
 # ---- kernels -------------------------------------------------------------------------------------------------------
+@fast_launch
 @triton.jit
 def _dequant_kernel(w_ptr, s_ptr, out_ptr, N, K, stride_s, TILE: tl.constexpr, BN: tl.constexpr,
                     BK: tl.constexpr):

@@ -25,6 +25,7 @@ import triton.language as tl
 from minidi.formats import E4M3_MAX, FQ8_AMAX_FLOOR, fq8_split as fq8_split_ref
 
 from ._dispatch_op import dispatch_op
+from ._fast_launch import fast_launch
 from ._triton_formats import e4m3_bits, pow2_ceil
 from ._triton_utils import cannot_run, interpreting, resolve_backend, triton_can_run
 
@@ -34,6 +35,7 @@ _E4M3_MAX = tl.constexpr(E4M3_MAX)
 _AMAX_FLOOR = tl.constexpr(FQ8_AMAX_FLOOR)
 
 
+@fast_launch
 @triton.jit
 def _fq8_split_kernel(x_ptr, q_ptr, s_ptr, n_blocks, rows, row_blocks, BLOCK: tl.constexpr, BLOCKS: tl.constexpr,
                       SCALES_T: tl.constexpr, INTERPRET: tl.constexpr):

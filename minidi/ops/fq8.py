@@ -28,6 +28,7 @@ import triton.language as tl
 from minidi.formats import E4M3_MAX, FQ8_AMAX_FLOOR, fq8_split
 
 from ._dispatch_op import dispatch_op
+from ._fast_launch import fast_launch
 from ._triton_formats import pow2_ceil, round_e4m3
 from ._triton_utils import cannot_run, resolve_backend, triton_can_run
 
@@ -59,6 +60,7 @@ def fq8_blocks(x):
     return tl.where(bad[:, None], float("nan"), q * s[:, None])
 
 
+@fast_launch
 @triton.jit
 def _fq8_kernel(x_ptr, y_ptr, n_blocks, BLOCK: tl.constexpr, BLOCKS: tl.constexpr):
     b = tl.program_id(0).to(tl.int64) * BLOCKS + tl.arange(0, BLOCKS)  # [BLOCKS] block ids

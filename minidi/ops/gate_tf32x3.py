@@ -47,6 +47,7 @@ import triton
 import triton.language as tl
 
 from ._dispatch_op import dispatch_op
+from ._fast_launch import fast_launch
 from ._triton_utils import cannot_run, interpreting, resolve_backend, triton_can_run
 
 IN_DTYPES = (torch.bfloat16, torch.float32)
@@ -69,6 +70,7 @@ def _tf32_round(a):
     return ((u + 0x1000) & 0xFFFFE000).to(tl.float32, bitcast=True)
 
 
+@fast_launch
 @triton.jit
 def _gate_kernel(x_ptr, w_ptr, o_ptr, T, E, D, sx_t, sw_e, so_t, K_PER_SPLIT, so_split,
                  X_EXACT: tl.constexpr, W_EXACT: tl.constexpr, SPLIT: tl.constexpr, INTERPRET: tl.constexpr,

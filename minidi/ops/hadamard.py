@@ -45,6 +45,7 @@ import triton.language as tl
 from minidi.formats import fq4_ue8m0, hadamard, hadamard_matrix
 
 from ._dispatch_op import dispatch_op
+from ._fast_launch import fast_launch
 from ._triton_formats import fq4_ue8m0_blocks
 from ._triton_utils import cannot_run, dot, interpreting, resolve_backend, round_bf16, triton_can_run
 
@@ -74,6 +75,7 @@ def signs(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
 
 
 # ---- kernel --------------------------------------------------------------------------------------------------------
+@fast_launch
 @triton.jit
 def _hadamard_kernel(x_ptr, s_ptr, out_ptr, M, scale, N: tl.constexpr, BM: tl.constexpr, FQ4: tl.constexpr,
                      INTERPRET: tl.constexpr, ROUND_BF16: tl.constexpr):

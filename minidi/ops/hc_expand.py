@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from ._dispatch_op import dispatch_op
+from ._fast_launch import fast_launch
 from ._triton_utils import cannot_run, interpreting, resolve_backend, round_bf16, triton_can_run
 
 MAX_STREAMS = 16
@@ -43,6 +44,7 @@ def hc_expand_ref(x: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: to
 
 
 # ---- kernel --------------------------------------------------------------------------------------------------------
+@fast_launch
 @triton.jit
 def _hc_expand_kernel(x_ptr, h_ptr, post_ptr, comb_ptr, out_ptr, T, D, sx_t, sx_n, sh_t, sp_t, sc_t, so_t, so_n,
                       N: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,

@@ -31,6 +31,7 @@ import triton.language as tl
 from . import hc_expand as _expand
 from . import hc_mix as _mix
 from ._dispatch_op import dispatch_op
+from ._fast_launch import fast_launch
 from ._triton_utils import cannot_run, interpreting, resolve_backend, round_bf16, triton_can_run
 from .hc_mix import mix_stream_step, store_collapse, store_partials
 
@@ -44,6 +45,7 @@ def hc_expand_mix_ref(x: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb
 
 
 # ---- kernel --------------------------------------------------------------------------------------------------------
+@fast_launch
 @triton.jit
 def _hc_expand_mix_kernel(x_ptr, h_ptr, post_ptr, comb_ptr, out_ptr, w_ptr, pre_ptr, g_ptr, ss_ptr, u_ptr,
                           T, D, M, D_PER_SPLIT, sx_t, sx_j, sh_t, sp_t, sc_t, so_t, so_j, sw_piece, sw_m, sg_split,

@@ -41,6 +41,7 @@ import triton
 import triton.language as tl
 
 from ._dispatch_op import dispatch_op
+from ._fast_launch import fast_launch
 from ._triton_utils import cannot_run, capability, interpreting, resolve_backend, round_bf16, triton_can_run
 from ._weight_cache import cached_per_tensor
 
@@ -116,6 +117,7 @@ def store_partials(g_ptr, ss_ptr, acc, sq, rows, t_ok, rm, M, sg_split, sg_t, ss
     tl.store(ss_ptr + split * ss_split + rows, tl.sum(sq, axis=1), mask=t_ok)
 
 
+@fast_launch
 @triton.jit
 def _hc_mix_kernel(x_ptr, w_ptr, pre_ptr, g_ptr, ss_ptr, u_ptr,
                    T, D, M, D_PER_SPLIT, sx_t, sx_j, sw_piece, sw_m, sg_split, sg_t, ss_split, su_t, sp_t,
@@ -153,6 +155,7 @@ def _hc_mix_kernel(x_ptr, w_ptr, pre_ptr, g_ptr, ss_ptr, u_ptr,
     store_partials(g_ptr, ss_ptr, acc, sq, (t0 + rb).to(tl.int64), t_ok, rm, M, sg_split, sg_t, ss_split)
 
 
+@fast_launch
 @triton.jit
 def _hc_mix_tma_kernel(x_desc, w_desc, pre_ptr, g_ptr, ss_ptr, u_ptr,
                        T, D, M, D_PER_SPLIT, sg_split, sg_t, ss_split, su_t, sp_t,

@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from ._dispatch_op import dispatch_op
+from ._fast_launch import fast_launch
 from ._triton_utils import cannot_run, resolve_backend, triton_can_run
 
 MAX_STREAMS = 16
@@ -43,6 +44,7 @@ def hc_sinkhorn_ref(logits: torch.Tensor, iters: int, eps: float) -> torch.Tenso
 
 
 # ---- kernel --------------------------------------------------------------------------------------------------------
+@fast_launch
 @triton.jit
 def _sinkhorn_kernel(x_ptr, out_ptr, T, N, iters, eps, sx_t, so_t, NP: tl.constexpr, BT: tl.constexpr):
     rt = tl.program_id(0) * BT + tl.arange(0, BT)

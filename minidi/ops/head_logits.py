@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from ._dispatch_op import dispatch_op
+from ._fast_launch import fast_launch
 from ._triton_utils import cannot_run, resolve_backend, triton_can_run
 
 DTYPES = (torch.bfloat16, torch.float32)
@@ -43,6 +44,7 @@ def head_logits_ref(y: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return y.float() @ weight.float().t()
 
 
+@fast_launch
 @triton.jit
 def _head_logits_kernel(y_ptr, w_ptr, out_ptr, L, V, D, stride_y, stride_w, stride_o,
                         ROWS: tl.constexpr, BV: tl.constexpr, BD: tl.constexpr):

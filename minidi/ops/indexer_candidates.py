@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from ._dispatch_op import dispatch_op
+from ._fast_launch import fast_launch
 from ._indexer_blocks import _pow2, _record
 from ._triton_utils import cannot_run, interpreting, mma, resolve_backend, triton_can_run
 from .indexer_fp8_quant import _launch_rebase
@@ -42,6 +43,7 @@ MMA_KINDS = ("native", "fp8")
 _KEY_REBASE_GROUP = 64  # rows per program of the key rebase (its per-row flags are what the kernel reads)
 
 
+@fast_launch
 @triton.jit
 def _candidate_score_kernel(
     q_ptr, k_ptr, q8_ptr, sq_ptr, k8_ptr, sk_ptr, qok_ptr, kok_ptr, w_ptr, ks_ptr, ke_ptr, blk_ptr, out_ptr,

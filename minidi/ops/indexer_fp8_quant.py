@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from ._dispatch_op import dispatch_op
+from ._fast_launch import fast_launch
 from ._triton_formats import e4m3_bits, round_e4m3
 from ._triton_utils import cannot_run, interpreting, resolve_backend, triton_can_run
 
@@ -36,6 +37,7 @@ X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 K_MIN, K_MAX = -60, 60  # exponent range of s: rows outside it count as not exact (fp32 headroom in the epilogue)
 
 
+@fast_launch
 @triton.jit
 def _rebase_kernel(x_ptr, x8_ptr, s_ptr, ok_ptr, gok_ptr, R, G, stride_x,
                    D: tl.constexpr, DP: tl.constexpr, GP: tl.constexpr, INTERPRET: tl.constexpr):

@@ -30,6 +30,7 @@ import triton.language as tl
 
 from . import indexer_score_fp8 as _fp8
 from ._dispatch_op import dispatch_op
+from ._fast_launch import fast_launch
 from ._indexer_blocks import _block, _pow2, _record, score_outputs
 from ._triton_utils import cannot_run, interpreting, resolve_backend, triton_can_run
 from .topk import topk_indices_ref
@@ -39,6 +40,7 @@ MMA_KINDS = ("native", "fp8")  # the score MMA: the operands' own dtype (today's
 
 
 # ----------------------------------------------------------------------------------------------------------- kernels
+@fast_launch
 @triton.jit
 def _score_kernel(
     q_ptr, k_ptr, w_ptr, ks_ptr, ke_ptr, out_ptr, cmax_ptr,

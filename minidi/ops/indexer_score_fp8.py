@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from ._dispatch_op import dispatch_op
+from ._fast_launch import fast_launch
 from ._triton_utils import cannot_run, interpreting, num_sms, triton_can_run
 from .indexer_fp8_quant import _launch_rebase
 from ._indexer_blocks import _block, _pow2, _record, score_outputs
@@ -95,6 +96,7 @@ def _prologue(ks_ptr, ke_ptr, T, N, pid, n_qblocks, blocks_per_prog, QB: tl.cons
     return pid_q, tq, tmask, ks, ke, nb0, nb1, cb0, cb1, fb0, fb1
 
 
+@fast_launch
 @triton.jit
 def _score_fp8_kernel(
     q_ptr, sq_ptr, k_ptr, sk_ptr, w_ptr, ks_ptr, ke_ptr, out_ptr, cmax_ptr,
@@ -158,6 +160,7 @@ def _score_fp8_kernel(
             tl.store(cmax_rows + nb * CSPLIT, neg_c, mask=smask)
 
 
+@fast_launch
 @triton.jit
 def _fixup_kernel(
     q_ptr, k_ptr, w_ptr, ks_ptr, ke_ptr, out_ptr, cmax_ptr, qok_ptr, kok_ptr,

@@ -51,6 +51,7 @@ import triton.language as tl
 from minidi.formats import E4M3_MAX, fq8_split as fq8_split_ref, pow2_ceil
 
 from ._dispatch_op import dispatch_op
+from ._fast_launch import fast_launch
 from ._triton_formats import pow2_ceil as pow2_ceil_k
 from ._triton_formats import e4m3_bits, round_e4m3
 from ._triton_utils import (cannot_run, interpreting, local_row_count, resolve_backend, round_bf16, triton_can_run,
@@ -140,6 +141,7 @@ def _activation_tile(g_ptr, v_ptr, w_ptr, out_ptr, s_ptr, I, n_rows, stride_g, s
         tl.store(out_ptr + r64 * stride_o + cols, h.to(out_ptr.dtype.element_ty), mask=m)
 
 
+@fast_launch
 @triton.jit
 def _moe_activation_kernel(
         g_ptr, v_ptr, w_ptr, offs_ptr, out_ptr, s_ptr,

@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 from ._dispatch_op import dispatch_op
+from ._fast_launch import fast_launch
 from ._triton_utils import cannot_run, resolve_backend, triton_can_run
 
 ROW_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -52,6 +53,7 @@ def moe_combine_ref(rows: torch.Tensor, order: torch.Tensor, local: torch.Tensor
 
 
 # ---- kernels -------------------------------------------------------------------------------------------------------
+@fast_launch
 @triton.jit
 def _invert_kernel(order_ptr, local_ptr, slot_row_ptr, R, BLOCK: tl.constexpr):
     """slot_row[order[i]] = i if local[i] else -1, for i in this block."""
@@ -62,6 +64,7 @@ def _invert_kernel(order_ptr, local_ptr, slot_row_ptr, R, BLOCK: tl.constexpr):
     tl.store(slot_row_ptr + slot, tl.where(is_local, i, -1).to(tl.int32), mask=m)
 
 
+@fast_launch
 @triton.jit
 def _combine_kernel(rows_ptr, slot_row_ptr, out_ptr, T, D, stride_r, stride_o,
                     K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):

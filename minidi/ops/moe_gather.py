@@ -34,6 +34,7 @@ import triton.language as tl
 
 from . import fq8 as fq8_op
 from ._dispatch_op import dispatch_op
+from ._fast_launch import fast_launch
 from ._triton_utils import cannot_run, local_row_count, resolve_backend, triton_can_run
 from .fq8 import fq8_blocks
 
@@ -49,6 +50,7 @@ def gather_rows_ref(x: torch.Tensor, idx: torch.Tensor, offs: torch.Tensor) -> t
 
 
 # ---- kernel --------------------------------------------------------------------------------------------------------
+@fast_launch
 @triton.jit
 def _gather_rows_kernel(x_ptr, idx_ptr, offs_ptr, out_ptr, T, R, D, E, stride_x, stride_o,
                         BR: tl.constexpr, BD: tl.constexpr, BYTES: tl.constexpr, QUANT: tl.constexpr,

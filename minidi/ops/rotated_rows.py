@@ -16,11 +16,13 @@ import torch
 import triton
 import triton.language as tl
 
+from ._fast_launch import fast_launch
 from ._triton_utils import cannot_run, triton_can_run
 
 _WORDS = (torch.int64, torch.int32, torch.int16, torch.uint8)
 
 
+@fast_launch
 @triton.jit
 def _rotated_rows_kernel(x_ptr, out_ptr, T, W, SIZE, BR: tl.constexpr, BW: tl.constexpr):
     """Program (block of BR output rows, BW words): output row i = block r = i // T, row j = i % T of it, reads x

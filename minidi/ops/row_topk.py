@@ -24,6 +24,7 @@ import triton.language as tl
 from minidi.selection import topk_lowest_index
 
 from ._dispatch_op import dispatch_op
+from ._fast_launch import fast_launch
 from ._triton_utils import cannot_run, resolve_backend, triton_can_run
 
 X_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -37,6 +38,7 @@ def row_topk_ref(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 # ---- kernel --------------------------------------------------------------------------------------------------------
+@fast_launch
 @triton.jit
 def _row_topk_kernel(x_ptr, val_ptr, idx_ptr, R, N, K, stride_x, BR: tl.constexpr, BN: tl.constexpr):
     rows = tl.program_id(0) * BR + tl.arange(0, BR)

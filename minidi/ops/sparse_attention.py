@@ -54,6 +54,7 @@ import triton
 import triton.language as tl
 
 from ._dispatch_op import dispatch_op
+from ._fast_launch import fast_launch
 from ._sparse_attention_checks import _check
 from ._sparse_attention_rope import (ROPE_OUT, ROPE_Q, _qnorm_stage, _rope_load, _rope_stage, _rope_store_values,
                                      _round_p, rope_ref, scale_q)
@@ -111,6 +112,7 @@ COMP_FLAG = tl.constexpr(1 << 30)
 ROW_MASK = tl.constexpr((1 << 30) - 1)
 
 
+@fast_launch
 @triton.jit
 def _encode_slots_kernel(widx_ptr, cidx_ptr, code_ptr, W, K, Nw, Nc, BLOCK: tl.constexpr):
     """code[t, :] = one int32 list over the concatenated slots (window, then compressed); one program per query.
@@ -130,6 +132,7 @@ def _encode_slots_kernel(widx_ptr, cidx_ptr, code_ptr, W, K, Nw, Nc, BLOCK: tl.c
         tl.store(code_ptr + t * n + j, tl.where(in_w, wi, ci).to(tl.int32), mask=j < n)
 
 
+@fast_launch
 @triton.jit
 def _sparse_attention_kernel(
     q_ptr, kv_ptr, code_ptr, sink_ptr, out_ptr, cos_ptr, sin_ptr, qs_ptr,

@@ -32,6 +32,8 @@ from __future__ import annotations
 import torch
 import triton
 
+from minidi.ops._fast_launch import fast_launch
+
 try:  # Gluon's Hopper API as Triton 3.6 has it; absent or renamed elsewhere: the Triton kernel is used instead
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
@@ -286,6 +288,7 @@ if HAVE_GLUON:
         # ---- epilogue: / (l + exp(sink - m)), bf16, the output's rotation in consumer 1's store ----
         _store_half(out_ptr, sink_ptr, cos_ptr, sin_ptr, acc, l_i, m_i, t, hb, H, HID, D, ROPE_OUT, R2)
 
+    @fast_launch
     @gluon.jit
     def _sparse_attention_sm90(q_ptr, kv_ptr, code_ptr, sink_ptr, out_ptr, cos_ptr, sin_ptr, comp_off, H, n_keys,
                                scale, D: gl.constexpr, BK: gl.constexpr, NS: gl.constexpr, PW: gl.constexpr,

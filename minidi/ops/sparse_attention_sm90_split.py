@@ -31,6 +31,7 @@ from __future__ import annotations
 import torch
 
 from minidi.ops import sparse_attention_sm90 as ws
+from minidi.ops._fast_launch import fast_launch
 
 if ws.HAVE_GLUON:
     from triton.experimental import gluon
@@ -166,6 +167,7 @@ if ws.HAVE_GLUON:
         l_i = l_i + m_other.load(l_i.type.layout)
         _store_half(out_ptr, sink_ptr, cos_ptr, sin_ptr, acc, l_i, m_i, t, hb, H, HID, D, ROPE_OUT, R2)
 
+    @fast_launch
     @gluon.jit
     def _sparse_attention_sm90_split(q_ptr, kv_ptr, code_ptr, sink_ptr, out_ptr, cos_ptr, sin_ptr, comp_off, H,
                                      n_keys, scale, D: gl.constexpr, BK: gl.constexpr, NS: gl.constexpr,

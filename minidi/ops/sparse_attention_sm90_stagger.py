@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from minidi.ops import sparse_attention_sm90 as ws
+from minidi.ops._fast_launch import fast_launch
 from minidi.ops._sparse_attention_out_tma import OC, out_layout
 from minidi.ops._triton_utils import num_sms
 from minidi.ops.sparse_attention_sm90_split import C_REGS, P_REGS
@@ -319,6 +320,7 @@ if ws.HAVE_GLUON:
         if OTMA:
             tma.store_wait(0)  # the last stores have read shared memory before the CTA exits
 
+    @fast_launch
     @gluon.jit
     def _sparse_attention_sm90_stagger(q_ptr, kv_ptr, code_ptr, sink_ptr, out_ptr, o_desc, cos_ptr, sin_ptr, qs_ptr,
                                        comp_off,

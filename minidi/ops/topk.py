@@ -29,6 +29,7 @@ import triton.language as tl
 from minidi.selection import topk_set
 
 from ._dispatch_op import dispatch_op
+from ._fast_launch import fast_launch
 from ._triton_utils import cannot_run, interpreting, resolve_backend, triton_can_run
 
 NEG_KEY = tl.constexpr(-2139095041)  # key(-inf): every finite score has a larger key
@@ -82,6 +83,7 @@ def _chunk_size(n, NS: tl.constexpr):
     return ch
 
 
+@fast_launch
 @triton.jit
 def _chunk_max_kernel(
     s_ptr, ks_ptr, ke_ptr, cmax_ptr, N, stride_s, stride_c,
@@ -114,6 +116,7 @@ def _chunk_tile(list_row, use_list, a0, n_act, c_lo, origin, ch, start, end,
     return j, m
 
 
+@fast_launch
 @triton.jit
 def _topk_kernel(
     s_ptr, ks_ptr, ke_ptr, cmax_ptr, out_ptr, cols_ptr, list_ptr,

@@ -215,6 +215,8 @@ class KernelPrecompiler:
         """Every ``JITFunction.run`` of this thread is a warmup (compile, never launch) while inside."""
         from triton.runtime.jit import JITFunction
 
+        from minidi.ops._fast_launch import through_triton
+
         original = JITFunction.run
         local = self._local
 
@@ -226,7 +228,8 @@ class KernelPrecompiler:
         JITFunction.run = run  # type: ignore[method-assign]
         local.deferring = True
         try:
-            yield
+            with through_triton():  # (fast_launch kernels would launch a kept kernel without calling run)
+                yield
         finally:
             local.deferring = False
             JITFunction.run = original  # type: ignore[method-assign]

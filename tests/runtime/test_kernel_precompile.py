@@ -197,6 +197,39 @@ def test_deferring_makes_every_launch_of_this_thread_a_warmup_and_restores_run(m
     assert seen == [(threading.current_thread().name, True), ("other", False)]  # another thread still launches
 
 
+def test_deferring_sends_fast_launch_kernels_through_the_patched_run(monkeypatch):
+    """A ``fast_launch`` kernel with a compiled kernel kept for the launch's signature would launch it without
+    calling ``JITFunction.run``: while deferring, it calls the (patched) run, so the launch is a warmup."""
+    import torch
+    from triton.runtime.jit import JITFunction
+
+    from minidi.ops import _fast_launch as fl
+
+    def src(x_ptr, BLOCK: "tl.constexpr"):  # noqa: F821 - a kernel's signature; never compiled here
+        pass
+
+    class Compiled:
+        function = packed_metadata = None
+        run = property(lambda self: lambda *a: launched.append(a))
+
+    seen, launched = [], []
+    monkeypatch.setattr(JITFunction, "run", lambda self, *a, grid, warmup, **kw: seen.append(warmup) or Compiled())
+    monkeypatch.setattr(fl, "ENABLED", True)
+    monkeypatch.setattr(fl, "_current_device", lambda: 0)
+    monkeypatch.setattr(fl, "_current_stream", lambda device: 0)
+    k = fl.fast_launch(JITFunction(src))
+    try:
+        x = torch.zeros(16)
+        k[(1,)](x, BLOCK=4)
+        k[(1,)](x, BLOCK=4)
+        assert seen == [False] and len(launched) == 1  # kept, then launched without Triton's run
+        with KernelPrecompiler(workers=1)._deferring():
+            k[(1,)](x, BLOCK=4)
+        assert seen == [False, True] and len(launched) == 1
+    finally:
+        fl._KERNELS.remove(k)
+
+
 def test_no_submission_without_a_kernel_to_compile():
     """On the CPU (or under the interpreter) the walk does not run at all."""
     gm, _ = _capture(lambda x: torch.ops.minidi_test.precompile_probe(x, 2), torch.randn(3, 4))
