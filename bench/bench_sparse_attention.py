@@ -57,13 +57,14 @@ VARIANTS = {
     "sm90_stagger_qload": dict(impl="gluon_stagger", qasync=False),  # the consumers load Q at each item's start
     "sm90_stagger_grid": dict(impl="gluon_stagger", persistent=False, qasync=False),  # ... and one CTA per item
     "sm90_stagger_bk32": dict(impl="gluon_stagger", bk=32),  # 32-key blocks, 4 stages
-    "sm90_stagger_qrope0": dict(impl="gluon_stagger", qrope=0),  # q's rotation over Q's whole half 1, by consumer
-    # 1, before either consumer's first Q K^T (the default until round 36)
-    "sm90_stagger_qrope1": dict(impl="gluon_stagger", qrope=1),  # q's rotation over its chunks only, by consumer 1,
-    # consumer 0 issuing its first Q K^T over D half 0 before waiting for it (the default since round 36)
-    "sm90_stagger_qrope2": dict(impl="gluon_stagger", qrope=2),  # ... by consumer 0, behind that first Q K^T
+    "sm90_stagger_qrope0": dict(impl="gluon_stagger", qrope=0, angles_ahead=False),  # q's rotation over Q's whole
+    # half 1, by consumer 1, before either consumer's first Q K^T (the default until round 36)
+    "sm90_stagger_qrope1": dict(impl="gluon_stagger", qrope=1, angles_ahead=False),  # q's rotation over its chunks
+    # only, by consumer 1, consumer 0 issuing its first Q K^T over D half 0 before waiting for it (rounds 36-38)
+    "sm90_stagger_qrope2": dict(impl="gluon_stagger", qrope=2, angles_ahead=False),  # ... by consumer 0, behind that
+    # first Q K^T
     "sm90_stagger_qrope1_ang": dict(impl="gluon_stagger", qrope=1, angles_ahead=True),  # qrope1, consumer 1 pulling
-    # the next item's cos / sin rows into L1 an item ahead (round 38)
+    # the next item's cos / sin rows into L1 an item ahead (round 38; the default since round 39)
 }
 DEFAULT = "tok_w8_bk64_s2"  # the Triton kernel's default config
 GLUON = "sm90_ws"

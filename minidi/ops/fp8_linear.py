@@ -52,6 +52,7 @@ holds one node too).
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -185,25 +186,64 @@ def fp8_gemm_lib() -> str:
     return lib
 
 
-def fp8_gemm_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: int) -> torch.Tensor:
+@functools.cache
+def _gemm_modules() -> tuple:
+    """The FP8 GEMMs' modules, imported at first use (importing them here at load would be circular)."""
+    from . import fp8_gemm_cublas, fp8_gemm_sm90, fp8_quant
+
+    return fp8_gemm_cublas, fp8_gemm_sm90, fp8_quant
+
+
+def gemm_route(x: torch.Tensor, weight: torch.Tensor, weight_block: int, act_block: int) -> str:
+    """The GEMM a call runs: "cublas" (cuBLAS's block-scaled GEMM), "gluon" (``fp8_gemm_sm90``) or "bf16" (the
+    dequantised weight's ``F.linear``): ``fp8_gemm_route``, then ``MINIDI_FP8_GEMM_LIB`` and cuBLAS's rules. The
+    decision reads only the tensors' devices, dtypes and shapes, the blocks and the two environment variables (and
+    cuBLAS's probe, whose verdict is fixed per device once made), so a CUDA call outside graph capture keeps it by
+    those (a V4-Flash step makes 322 calls of a handful of signatures; round 39 on an H100's host, before this: the
+    op took 155.6 us a call of which its split and ``_scaled_mm`` were 62.9, the rest its dispatch and Python, the
+    decision among it). CPU calls decide every time (the tests replace the deciding functions)."""
+    key = None
+    if x.is_cuda:
+        key = (x.device, weight.device, x.dtype, x.shape, weight.shape, weight_block, act_block,
+               os.environ.get(FP8_GEMM_ENV), os.environ.get(FP8_GEMM_LIB_ENV))
+        route = _ROUTES.get(key)
+        if route is not None:
+            return route
+    if not fp8_gemm_route(x, weight, weight_block, act_block):
+        route = "bf16"
+    else:
+        cublas = _gemm_modules()[0]
+        on_cublas = weight_block == cublas.BLOCK and fp8_gemm_lib() == "auto" and \
+            cublas.can_run(x.reshape(-1, x.shape[-1]), weight)
+        route = "cublas" if on_cublas else "gluon"
+    if key is not None and len(_ROUTES) < MAX_ROUTES and not torch.cuda.is_current_stream_capturing():
+        _ROUTES[key] = route
+    return route
+
+
+_ROUTES: dict[tuple, str] = {}  # gemm_route's kept decisions (CUDA calls)
+MAX_ROUTES = 1024
+
+
+def fp8_gemm_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: int,
+                    on_cublas: bool | None = None) -> torch.Tensor:
     """``F.linear(fq8(x, block), dequant_fp8(weight, scale, block))`` on FP8 tensor cores: the input split into
     e4m3 + scales (``fq8_split``), the block-scaled FP8 GEMM (128-blocks: cuBLAS's, ``fp8_gemm_cublas``, where it
-    runs; else ``fp8_gemm_sm90``), out in x's dtype."""
-    from . import fp8_gemm_cublas as cublas
-    from .fp8_gemm_sm90 import fp8_gemm_sm90, weight_scale_t
-    from .fp8_quant import fq8_split_launch
-
+    runs; else ``fp8_gemm_sm90``), out in x's dtype. ``on_cublas``: the library as ``gemm_route`` decided it (None:
+    decided here)."""
+    cublas, sm90, quant = _gemm_modules()
     x2 = x.reshape(-1, x.shape[-1])
-    on_cublas = block == cublas.BLOCK and fp8_gemm_lib() == "auto" and cublas.can_run(x2, weight)
-    q, s = fq8_split_launch(x2, block, scales_t=on_cublas)  # (M-major scales for cuBLAS)
+    if on_cublas is None:
+        on_cublas = block == cublas.BLOCK and fp8_gemm_lib() == "auto" and cublas.can_run(x2, weight)
+    q, s = quant.fq8_split_launch(x2, block, scales_t=on_cublas)  # (M-major scales for cuBLAS)
     if on_cublas:
         sw = cached_per_tensor("fp8_linear weight_scale fp32", weight, lambda _: cublas.weight_scales(scale),
                                also=(scale,))
         y = cublas.fp8_gemm_cublas(q, s, weight, sw, x.dtype)
         return y.view(*x.shape[:-1], weight.shape[0])
-    scale_t = cached_per_tensor(f"fp8_linear weight_scale_t {block}", weight, lambda _: weight_scale_t(scale),
+    scale_t = cached_per_tensor(f"fp8_linear weight_scale_t {block}", weight, lambda _: sm90.weight_scale_t(scale),
                                 also=(scale,))  # keyed on the weight: the op gets a new view of its scale each call
-    y = fp8_gemm_sm90(q, s, weight, scale, block, out_dtype=x.dtype, w_scale_t=scale_t)
+    y = sm90.fp8_gemm_sm90(q, s, weight, scale, block, out_dtype=x.dtype, w_scale_t=scale_t)
     return y.view(*x.shape[:-1], weight.shape[0])
 
 
@@ -245,8 +285,9 @@ def _fp8_linear_op(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, w
     if not triton_can_run(x, weight, scale):
         raise cannot_run("minidi::fp8_linear", x, weight, scale)
     x = x.contiguous()
-    if fp8_gemm_route(x, weight, weight_block, act_block):
-        return fp8_gemm_linear(x, weight, scale, weight_block)
+    route = gemm_route(x, weight, weight_block, act_block)
+    if route != "bf16":
+        return fp8_gemm_linear(x, weight, scale, weight_block, on_cublas=route == "cublas")
     xq = fq8_launch(x, act_block) if act_block > 0 else x
     return F.linear(xq, dequant_weight(weight, scale, weight_block, x.dtype))
 

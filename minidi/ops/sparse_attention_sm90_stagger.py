@@ -51,8 +51,10 @@ OTMA = True  # the output through shared memory (4 [64, 64] chunks per consumer)
 # rotation / both): 0.726 / 0.737 ms with 0, 0.707 / 0.722 with 1, 0.710 / 0.725 with 2
 QROPE = 1
 # QANG: the consumer that rotates Q pulls the next item's cos / sin rows into L1 an item ahead (prefetch.global.L1),
-# where the rotation otherwise loads them behind the wait for the item's Q (round 38; not measured yet: off)
-QANG = False
+# where the rotation otherwise loads them behind the wait for the item's Q (round 38). Round 39 (H100, the bench
+# shape, QROPE 1, one call): 0.707 against 0.739 ms with both rotations folded (the step's), 0.703 against 0.706 with
+# q's only; every output bit-equal
+QANG = True
 
 
 if ws.HAVE_GLUON:

@@ -105,3 +105,45 @@ def test_fp8_route_on_sm90(monkeypatch):
     before = fl.weight_cache_bytes()
     fl.fp8_linear(xc, wc, sc, 128, 128)
     assert fl.weight_cache_bytes() == before  # no bf16 weight copy on this route
+
+
+def _counting_route(monkeypatch) -> list:
+    decided = []
+    real = fl.fp8_gemm_route
+
+    def route(*args):
+        decided.append(args[0].shape)
+        return real(*args)
+
+    monkeypatch.setattr(fl, "fp8_gemm_route", route)
+    return decided
+
+
+def test_cpu_calls_decide_their_route_every_time(monkeypatch):
+    decided = _counting_route(monkeypatch)
+    x, w = torch.zeros(4, 256, dtype=torch.bfloat16), torch.zeros(128, 256, dtype=torch.float8_e4m3fn)
+    assert [fl.gemm_route(x, w, 128, 128) for _ in range(3)] == ["bf16"] * 3
+    assert len(decided) == 3 and fl._ROUTES == {}
+
+
+@pytest.mark.gpu
+def test_gpu_a_route_is_decided_once_per_signature_and_environment(monkeypatch):
+    """A CUDA call's route is kept by its signature: a repeat decides nothing, another row count, block or value of
+    either environment variable decides again, and the kept route is the one deciding gives."""
+    decided = _counting_route(monkeypatch)
+    fl._ROUTES.clear()
+    w = torch.zeros(256, 512, dtype=torch.float8_e4m3fn, device="cuda")
+    x = torch.zeros(12, 512, dtype=torch.bfloat16, device="cuda")
+    first = fl.gemm_route(x, w, 128, 128)
+    assert [fl.gemm_route(torch.zeros_like(x), w, 128, 128) for _ in range(3)] == [first] * 3 and len(decided) == 1
+    fl.gemm_route(x[:8], w, 128, 128)
+    fl.gemm_route(x, w, 128, 0)
+    monkeypatch.setenv(fl.FP8_GEMM_ENV, "off")
+    assert fl.gemm_route(x, w, 128, 128) == "bf16"
+    monkeypatch.setenv(fl.FP8_GEMM_ENV, "128")
+    monkeypatch.setenv(fl.FP8_GEMM_LIB_ENV, "gluon")
+    lib_gluon = fl.gemm_route(x, w, 128, 128)
+    assert len(decided) == 5
+    if first != "bf16":  # (an sm_90 GPU with a tested Triton)
+        assert lib_gluon == "gluon"
+    fl._ROUTES.clear()

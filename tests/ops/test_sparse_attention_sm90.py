@@ -38,9 +38,10 @@ KERNELS = {impl: (impl, {}) for impl in SM90_KERNELS} | {
     "gluon_stagger_grid": ("gluon_stagger", dict(persistent=False)),
     "gluon_stagger_bk32": ("gluon_stagger", dict(bk=32)),
     "gluon_stagger_stores": ("gluon_stagger", dict(otma=False)),  # the output by 4-byte stores (before round 26)
-    "gluon_stagger_qrope0": ("gluon_stagger", dict(qrope=0)),  # q's rotation over Q's whole half 1 first (< round 36)
-    "gluon_stagger_qrope1": ("gluon_stagger", dict(qrope=1)),  # q's rotated chunks only, consumer 0 not waiting first
-    "gluon_stagger_qrope2": ("gluon_stagger", dict(qrope=2))}  # ... rotated by consumer 0 behind its first Q K^T
+    # who rotates q (QROPE), without the next item's angles prefetched (QANG, the default since round 39)
+    "gluon_stagger_qrope0": ("gluon_stagger", dict(qrope=0, angles_ahead=False)),  # Q's whole half 1 first (< 36)
+    "gluon_stagger_qrope1": ("gluon_stagger", dict(qrope=1, angles_ahead=False)),  # the rotated chunks only (36-38)
+    "gluon_stagger_qrope2": ("gluon_stagger", dict(qrope=2, angles_ahead=False))}  # ... by consumer 0
 KERNELS |= {f"{name}_ang": ("gluon_stagger", opts | dict(angles_ahead=True))  # the next item's angles prefetched
             for name, (impl, opts) in list(KERNELS.items()) if name.startswith("gluon_stagger_qrope")}
 each_kernel = pytest.mark.parametrize("impl", list(KERNELS))
