@@ -251,13 +251,13 @@ def _compile_report(impl: str, pipe: bool, opt: int = 0, qrope: int = stagger.QR
     ("gluon", False, 0, 0), ("gluon_split", False, 0, 0), ("gluon_split", True, 0, 0), ("gluon_split", False, 1, 0),
     ("gluon_stagger", False, 64, 0), ("gluon_stagger", True, 64, 0), ("gluon_stagger", False, 32, 0),
     ("gluon_stagger", True, 64, 1), ("gluon_stagger", True, 64, 2), ("gluon_stagger", True, 64, "norm"),
-    ("gluon_stagger", True, 64, "ang")])
+    ("gluon_stagger", True, 64, "ang"), ("gluon_stagger", True, 64, "norm_ang")])
 def test_kernels_compile_for_sm90a(impl, pipe, opt, qrope):
     """The Gluon kernels compile, with the wgmma shapes of each design (one instruction per MMA of a key block) and
     shared memory within the H200's 227 KB; the staggered kernel and the split one with ZQ (almost) without spills; the
     staggered one with OTMA stores its output only by bulk tensor stores, whoever rotates its Q (``qrope``), and with
     q's row scales in its Q load ("norm"), and with the next item's angles prefetched into L1 ("ang": QROPE 1, QANG;
-    the others have no prefetch).
+    "norm_ang": both, the V4 step's build since QANG is the default; the others have no prefetch).
     Compiled in a fresh process: a Triton kernel run by the interpreter in this process (other tests) patches the
     language and the Gluon front end then fails."""
     import json
@@ -265,9 +265,10 @@ def test_kernels_compile_for_sm90a(impl, pipe, opt, qrope):
     import sys
 
     pytest.importorskip("triton.backends.nvidia.compiler")
-    qr = qrope if isinstance(qrope, int) else {"norm": 0, "ang": 1}[qrope]
+    qr = qrope if isinstance(qrope, int) else {"norm": 0, "ang": 1, "norm_ang": 1}[qrope]
+    norm, ang = qrope in ("norm", "norm_ang"), qrope in ("ang", "norm_ang")
     code = ("import json; from tests.ops.test_sparse_attention_sm90 import _compile_report; "
-            f"print(json.dumps(_compile_report({impl!r}, {pipe}, {opt}, {qr}, {qrope == 'norm'}, {qrope == 'ang'})))")
+            f"print(json.dumps(_compile_report({impl!r}, {pipe}, {opt}, {qr}, {norm}, {ang})))")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -290,7 +291,7 @@ def test_kernels_compile_for_sm90a(impl, pipe, opt, qrope):
         assert rep["local"] <= 16
         if pipe:  # OTMA: the output only through bulk tensor stores, 4 chunks per consumer
             assert (rep["stg"], rep["tma_stores"]) == (0, 8)
-        assert (rep["prefetch"] > 0) == (qrope == "ang")  # cos and sin rows, by the rotating consumer
+        assert (rep["prefetch"] > 0) == ang  # cos and sin rows, by the rotating consumer
 
 
 def test_q_scale_routing_and_stagger_launcher_refusals():
