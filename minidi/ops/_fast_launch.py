@@ -1,10 +1,12 @@
 """Repeat launches of minidi's Triton and Gluon kernels without Triton's per-launch binding (``@fast_launch``).
 
 Triton's ``JITFunction.run`` binds every launch anew: it specialises each argument, builds the cache key from the
-options' string, checks the kernel's globals and builds launch metadata before it calls the compiled kernel's
-launcher. The binding and the key alone take ~20 us for ``_gate_kernel``'s 20 arguments on this repository's CPU
-(Triton 3.6, ``bench/bench_host_calls.py``), and a V4-Flash step makes ~1,960 such launches while its host enqueues
-the step at about the pace of its kernels (``docs/benchmarks/README.md``, round 37).
+options' string, checks the kernel's globals and builds launch metadata for its hooks before it calls the compiled
+kernel's launcher. A V4-Flash step makes ~1,960 such launches of minidi's kernels, and its host enqueued the step at
+about the pace of its kernels (``docs/benchmarks/README.md``, round 37). Measured on an H100 machine's host (round
+39, ``bench/bench_host_calls.py``): the mHC gate's launcher (20 kernel arguments) 70.9 us a call through Triton's
+``run``, 65.3 through this module; an empty kernel of 6 arguments 16.5 and 17.0 us (there the binding is cheap and
+the launcher's own C call dominates).
 
 ``@fast_launch`` (above ``@triton.jit`` / ``@gluon.jit``) gives the kernel a ``run`` that keeps, per launch
 signature, the compiled kernel Triton chose, and launches it directly on a repeat:
