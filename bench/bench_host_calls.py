@@ -16,7 +16,8 @@ kind. Rows:
 - on CUDA: a Triton launch through ``JITFunction.run`` and through ``fast_launch``'s kept kernel, an empty kernel
   (six arguments, the floor of a launch) and the mHC gate's launcher (``_gate_kernel``, 20 arguments);
 - on sm_90: an FP8 linear's pieces at a shape too small to be GPU-bound (``_fp8_linear_rows``): the input's split,
-  cuBLAS's block-scaled GEMM, the Gluon GEMM and the whole op on either (V4-Flash makes 322 such calls a step).
+  cuBLAS's block-scaled GEMM, the Gluon GEMM and the whole op on either, and on cuBLAS with its route decided anew
+  each call (``fp8_linear.gemm_route``'s kept decisions cleared; V4-Flash makes 322 such calls a step).
 
 Each row is the best of three rounds of ``--calls`` calls (wall clock); the last line is the JSON result.
 """
@@ -159,6 +160,7 @@ def _fp8_linear_rows(device: str, calls: int) -> list[dict]:
 
     from minidi.ops import fp8_gemm_cublas as cublas
     from minidi.ops import fp8_gemm_sm90 as gluon
+    from minidi.ops.fp8_linear import _ROUTES as fl_routes
     from minidi.ops.fp8_linear import FP8_GEMM_LIB_ENV, fp8_linear
     from minidi.ops.fp8_quant import fq8_split_launch
 
@@ -183,6 +185,10 @@ def _fp8_linear_rows(device: str, calls: int) -> list[dict]:
             fp8_linear(x, w, codes, b, b)
             rows.append({"row": "fp8 linear", "name": f"minidi::fp8_linear, {lib}", "where": "eager",
                          "us": best_us(lambda: fp8_linear(x, w, codes, b, b), calls)})
+        os.environ[FP8_GEMM_LIB_ENV] = "auto"  # the route decided anew each call (as before round 39 kept it)
+        rows.append({"row": "fp8 linear", "name": "minidi::fp8_linear, auto, route decided every call",
+                     "where": "eager", "us": best_us(lambda: (fl_routes.clear(), fp8_linear(x, w, codes, b, b)),
+                                                    calls)})
     finally:
         if before is None:
             os.environ.pop(FP8_GEMM_LIB_ENV, None)
