@@ -25,11 +25,13 @@ PATHS = (("JITFunction.run", False), ("fast_launch", True))
 
 def measure(run: Callable[[], torch.Tensor], rounds: int, device: Any) -> dict:
     """The A/B above; ``run`` returns the step's logits."""
+    import triton
+
     from minidi.ops import _fast_launch as fl
 
     if not fl.ENABLED:
-        return {"skipped": f"fast_launch is off in this process ({fl.ENV}=0, or Triton "
-                           f"{__import__('triton').__version__} is not one of {fl.CHECKED_TRITON})"}
+        return {"skipped": f"fast_launch is off in this process ({fl.ENV}=0, or Triton {triton.__version__} is not "
+                           f"one of {fl.CHECKED_TRITON})"}
     got: dict[str, dict[str, list[float]]] = {path: {"ms": [], "enqueue_ms": []} for path, _ in PATHS}
     logits: dict[str, torch.Tensor] = {}
     fl.reset()

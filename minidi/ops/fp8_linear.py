@@ -226,15 +226,12 @@ MAX_ROUTES = 1024
 
 
 def fp8_gemm_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: int,
-                    on_cublas: bool | None = None) -> torch.Tensor:
+                    on_cublas: bool) -> torch.Tensor:
     """``F.linear(fq8(x, block), dequant_fp8(weight, scale, block))`` on FP8 tensor cores: the input split into
     e4m3 + scales (``fq8_split``), the block-scaled FP8 GEMM (128-blocks: cuBLAS's, ``fp8_gemm_cublas``, where it
-    runs; else ``fp8_gemm_sm90``), out in x's dtype. ``on_cublas``: the library as ``gemm_route`` decided it (None:
-    decided here)."""
+    runs; else ``fp8_gemm_sm90``), out in x's dtype. ``on_cublas``: the library as ``gemm_route`` decided it."""
     cublas, sm90, quant = _gemm_modules()
     x2 = x.reshape(-1, x.shape[-1])
-    if on_cublas is None:
-        on_cublas = block == cublas.BLOCK and fp8_gemm_lib() == "auto" and cublas.can_run(x2, weight)
     q, s = quant.fq8_split_launch(x2, block, scales_t=on_cublas)  # (M-major scales for cuBLAS)
     if on_cublas:
         sw = cached_per_tensor("fp8_linear weight_scale fp32", weight, lambda _: cublas.weight_scales(scale),
